@@ -1,0 +1,47 @@
+"""onebit-optax: 1-bit Adam (Tang et al., 2021) as a native Optax gradient transformation."""
+
+from onebit_optax._collective import allreduce_wire_bytes
+from onebit_optax._collective import compressed_mean
+from onebit_optax._collective import compressed_wire_bytes
+from onebit_optax._compressor import padded_size
+from onebit_optax._compressor import sign_compress
+from onebit_optax._compressor import sign_decompress
+from onebit_optax._freeze import FixedStepFreeze
+from onebit_optax._freeze import fixed_step_freeze
+from onebit_optax._freeze import VarianceRatioFreeze
+from onebit_optax._freeze import variance_ratio_freeze
+from onebit_optax._onebit_adam import freeze_step
+from onebit_optax._onebit_adam import is_frozen
+from onebit_optax._onebit_adam import onebit_adam
+from onebit_optax._onebit_adam import scale_by_onebit_adam
+from onebit_optax._onebit_adam import ScaleByOnebitAdamState
+from onebit_optax._onebit_adam import variance_ratio
+from onebit_optax._onebit_adam import wire_bytes
+from onebit_optax._sharding import init_sharded
+from onebit_optax._sharding import local_params
+from onebit_optax._sharding import state_partition_specs
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "allreduce_wire_bytes",
+    "compressed_mean",
+    "compressed_wire_bytes",
+    "fixed_step_freeze",
+    "FixedStepFreeze",
+    "freeze_step",
+    "init_sharded",
+    "is_frozen",
+    "local_params",
+    "onebit_adam",
+    "padded_size",
+    "scale_by_onebit_adam",
+    "ScaleByOnebitAdamState",
+    "sign_compress",
+    "sign_decompress",
+    "state_partition_specs",
+    "variance_ratio",
+    "variance_ratio_freeze",
+    "VarianceRatioFreeze",
+    "wire_bytes",
+)

@@ -1,0 +1,122 @@
+"""The 1-bit sign compressor: pure array functions, no axis names."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["sign_compress", "sign_decompress", "padded_size"]
+
+_BITS_PER_BYTE = 8
+# Bit k of byte j holds the sign of element 8*j + k ("little" bit order). The same
+# order is used by `np.packbits(..., bitorder="little")`.
+_BITORDER = "little"
+
+
+def padded_size(size: int, num_devices: int = 1) -> int:
+  """Length of the flat buffer that the collective works on.
+
+  The buffer is split into ``num_devices`` equal chunks (one per "server"), and
+  each chunk is packed 8 signs per byte, so its length must be a multiple of
+  ``8 * num_devices``. Padding elements are zeros on entry; they take part in the
+  compression (their error feedback is bounded) and are dropped on exit.
+
+  Args:
+    size: number of elements to communicate (e.g. the total parameter count).
+    num_devices: size of the data-parallel axis.
+
+  Returns:
+    The smallest multiple of ``8 * num_devices`` that is ``>= size``.
+
+  Example:
+    >>> import onebit_optax
+    >>> onebit_optax.padded_size(1000, num_devices=8)
+    1024
+  """
+  if num_devices < 1:
+    raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
+  if size < 0:
+    raise ValueError(f"size must be >= 0, got {size}.")
+  multiple = _BITS_PER_BYTE * num_devices
+  return int(math.ceil(size / multiple) * multiple)
+
+
+def sign_compress(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  r"""Compresses a vector to its signs (1 bit each) and one float32 scale.
+
+  .. math::
+
+    s = \frac{\lVert x \rVert_2}{\sqrt{d}}, \qquad
+    b_i = [x_i \ge 0], \qquad
+    C(x) = s \cdot (2 b - 1)
+
+  The scale is the root mean square of ``x`` (DeepSpeed's definition), so that
+  ``C(x)`` has the same :math:`\ell_2` norm as ``x``. The sign of ``0`` (and of
+  ``-0.0``) is ``+1``. A NaN element encodes as ``-1`` and makes the scale NaN.
+
+  Args:
+    x: array of any shape; it is flattened (row-major) and cast to float32.
+
+  Returns:
+    ``(packed, scale)``: ``packed`` is a uint8 vector of ``ceil(x.size / 8)``
+    bytes, bit ``k`` of byte ``j`` being the sign bit of element ``8 j + k``
+    (trailing bits of the last byte are 0); ``scale`` is a float32 scalar.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import onebit_optax
+    >>> packed, scale = onebit_optax.sign_compress(jnp.array([3., -4., 0., 1.]))
+    >>> packed.dtype, packed.shape, float(scale)
+    (dtype('uint8'), (1,), 2.5495...)
+    >>> onebit_optax.sign_decompress(packed, scale, 4)
+    Array([ 2.5495..., -2.5495...,  2.5495...,  2.5495...], dtype=float32)
+
+  References:
+    Tang et al., `1-bit Adam: Communication Efficient Large-Scale Training with
+    Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, 2021.
+  """
+  x = jnp.ravel(jnp.asarray(x)).astype(jnp.float32)
+  size = x.size
+  if size == 0:
+    return jnp.zeros((0,), jnp.uint8), jnp.zeros((), jnp.float32)
+  scale = jnp.sqrt(jnp.sum(jnp.square(x))) / math.sqrt(size)
+  packed = jnp.packbits(x >= 0, bitorder=_BITORDER)
+  return packed, scale
+
+
+def sign_decompress(packed: jax.Array, scale: jax.Array, size: int) -> jax.Array:
+  r"""Inverse of :func:`sign_compress`: ``scale * (2 b - 1)`` for the first ``size`` bits.
+
+  Args:
+    packed: uint8 array whose last axis holds packed sign bits; leading axes are
+      batch axes (e.g. one row per device).
+    scale: float32 array broadcastable to ``packed.shape[:-1]``: one scale per row.
+    size: number of elements to decode per row (``<= 8 * packed.shape[-1]``).
+
+  Returns:
+    float32 array of shape ``packed.shape[:-1] + (size,)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import onebit_optax
+    >>> onebit_optax.sign_decompress(jnp.array([0b101], jnp.uint8), 2.0, 3)
+    Array([ 2., -2.,  2.], dtype=float32)
+  """
+  packed = jnp.asarray(packed)
+  if packed.dtype != jnp.uint8:
+    raise TypeError(f"packed must be uint8 (from sign_compress), got {packed.dtype}.")
+  if size > _BITS_PER_BYTE * packed.shape[-1]:
+    raise ValueError(
+        f"size={size} needs {math.ceil(size / 8)} bytes, but packed holds only "
+        f"{packed.shape[-1]} bytes on its last axis.")
+  scale = jnp.asarray(scale, jnp.float32)
+  # Bit extraction, the sign and the scale are elementwise, so XLA fuses them with
+  # the consumer (e.g. the server's average) instead of writing a float copy of
+  # the unpacked bits first.
+  shifts = jnp.arange(_BITS_PER_BYTE, dtype=jnp.uint8)
+  bits = (packed[..., :, None] >> shifts) & jnp.uint8(1)
+  bits = bits.reshape(packed.shape[:-1] + (-1,))[..., :size]
+  signs = bits.astype(jnp.float32) * 2.0 - 1.0
+  return signs * scale[..., None]

@@ -1,0 +1,162 @@
+"""When to freeze the variance: the policies and the one function that decides."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "VarianceRatioFreeze",
+    "FixedStepFreeze",
+    "FreezePolicy",
+    "variance_ratio_freeze",
+    "fixed_step_freeze",
+    "default_interval",
+]
+
+
+class VarianceRatioFreeze(NamedTuple):
+  """Freeze once the bias-corrected variance stops moving (see :func:`variance_ratio_freeze`)."""
+
+  threshold: float
+  interval: Optional[int]
+  min_steps: int
+
+
+class FixedStepFreeze(NamedTuple):
+  """Freeze after a fixed number of warmup steps (see :func:`fixed_step_freeze`)."""
+
+  step: int
+  interval: Optional[int]
+
+
+FreezePolicy = Union[VarianceRatioFreeze, FixedStepFreeze]
+
+
+def default_interval(b2) -> jax.Array:
+  r"""The default :math:`\Delta`: the time constant of the variance EMA, :math:`1/(1-\beta_2)`.
+
+  Works on a traced ``b2`` (under ``optax.inject_hyperparams``).
+  """
+  return jnp.maximum(jnp.round(1.0 / (1.0 - jnp.asarray(b2, jnp.float32))), 1).astype(jnp.int32)
+
+
+def variance_ratio_freeze(
+    min_steps: int = 0,
+    *,
+    threshold: float = 0.96,
+    interval: Optional[int] = None,
+) -> VarianceRatioFreeze:
+  r"""Freezes the variance when its norm changes by less than ``1 - threshold`` per interval.
+
+  Every :math:`\Delta` steps (:math:`t = k\Delta`) the policy compares the
+  :math:`\ell_1` norm of the *bias-corrected* second moment with its value
+  :math:`\Delta` steps earlier,
+
+  .. math::
+
+    \rho_t = \frac{\lVert \hat v_t \rVert_1}{\lVert \hat v_{t-\Delta} \rVert_1},
+    \qquad \hat v_t = \frac{v_t}{1 - \beta_2^t},
+
+  and freezes at the first check with :math:`t \ge` ``min_steps``,
+  :math:`t \ge 2\Delta` and :math:`\tau \le \rho_t \le 1/\tau`, with
+  :math:`\tau` = ``threshold``.
+
+  Why it cannot fire while :math:`v` fills up from zero: the raw :math:`v_t`
+  grows like :math:`1-\beta_2^t` for about :math:`1/(1-\beta_2)` steps even
+  for stationary gradients, so a ratio on the raw :math:`v` is :math:`\ge 1`
+  from the first step and a one-sided test :math:`\rho \ge 0.96` would fire at
+  once. The bias correction divides exactly that factor out, so
+  :math:`\rho_t` only moves when the gradient statistics move. The test is
+  two-sided (a variance that grows by more than :math:`1/\tau` is not stable
+  either). :math:`\Delta` defaults to :math:`1/(1-\beta_2)` (1000 steps for
+  :math:`\beta_2 = 0.999`), the averaging window of :math:`v`: over a shorter
+  interval consecutive :math:`\hat v` overlap so much that the ratio is close to
+  1 whatever the trend. Set ``min_steps`` to at least the learning-rate warmup.
+
+  Args:
+    min_steps: never freeze before this step (use at least the LR warmup length).
+    threshold: :math:`\tau` in (0, 1]; the paper uses 0.96.
+    interval: :math:`\Delta` in steps; ``None`` means :math:`\mathrm{round}(1/(1-\beta_2))`.
+
+  Returns:
+    A policy to pass as ``freeze=`` to :func:`onebit_adam`.
+
+  Example:
+    >>> import onebit_optax
+    >>> onebit_optax.variance_ratio_freeze(min_steps=500, interval=100)
+    VarianceRatioFreeze(threshold=0.96, interval=100, min_steps=500)
+
+  References:
+    Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, 2021, Section 6.
+  """
+  if not 0.0 < float(threshold) <= 1.0:
+    raise ValueError(f"threshold must be in (0, 1], got {threshold}.")
+  if interval is not None and int(interval) < 1:
+    raise ValueError(f"interval must be a positive number of steps, got {interval}.")
+  if int(min_steps) < 0:
+    raise ValueError(f"min_steps must be >= 0, got {min_steps}.")
+  return VarianceRatioFreeze(
+      float(threshold), None if interval is None else int(interval), int(min_steps))
+
+
+def fixed_step_freeze(step: int, *, interval: Optional[int] = None) -> FixedStepFreeze:
+  r"""Freezes the variance after exactly ``step`` warmup steps (DeepSpeed's ``freeze_step``).
+
+  Steps ``1..step`` are plain Adam; from step ``step + 1`` on the momentum is
+  compressed. The variance ratio is still measured every ``interval`` steps (same
+  definition as :func:`variance_ratio_freeze`) for logging only.
+
+  Args:
+    step: number of warmup steps, ``>= 1``.
+    interval: :math:`\Delta` for the logged ratio; ``None`` means :math:`1/(1-\beta_2)`.
+
+  Returns:
+    A policy to pass as ``freeze=`` to :func:`onebit_adam`.
+
+  Example:
+    >>> import onebit_optax
+    >>> onebit_optax.fixed_step_freeze(400)
+    FixedStepFreeze(step=400, interval=None)
+  """
+  if int(step) < 1:
+    raise ValueError(
+        f"fixed_step_freeze(step={step}): at least one warmup step of plain Adam is "
+        "needed to estimate the variance; use step >= 1.")
+  if interval is not None and int(interval) < 1:
+    raise ValueError(f"interval must be a positive number of steps, got {interval}.")
+  return FixedStepFreeze(int(step), None if interval is None else int(interval))
+
+
+def check_policy(policy) -> FreezePolicy:
+  if isinstance(policy, (VarianceRatioFreeze, FixedStepFreeze)):
+    return policy
+  if isinstance(policy, int) and not isinstance(policy, bool):
+    return fixed_step_freeze(policy)
+  raise TypeError(
+      f"freeze={policy!r} is not a freeze policy: pass "
+      "onebit_optax.variance_ratio_freeze(min_steps=...) or "
+      "onebit_optax.fixed_step_freeze(step) (an int is read as a fixed step).")
+
+
+def freeze_decision(policy: FreezePolicy, count, nu_hat_l1, reference_l1, ratio, b2):
+  """Returns ``(freeze_now, new_reference_l1, new_ratio)`` after warmup step ``count``.
+
+  All inputs are replicated values (the mean-gradient moments), so every device
+  takes the same decision: no extra collective, no divergent ``lax.cond``.
+  """
+  interval = default_interval(b2) if policy.interval is None else jnp.int32(policy.interval)
+  is_check = (count % interval) == 0
+  has_reference = reference_l1 > 0
+  measured = jnp.where(has_reference, nu_hat_l1 / jnp.where(has_reference, reference_l1, 1.0),
+                       jnp.nan)
+  new_ratio = jnp.where(is_check & has_reference, measured, ratio).astype(jnp.float32)
+  new_reference = jnp.where(is_check, nu_hat_l1, reference_l1).astype(jnp.float32)
+  if isinstance(policy, FixedStepFreeze):
+    freeze_now = count >= policy.step
+  else:
+    stable = (measured >= policy.threshold) & (measured <= 1.0 / policy.threshold)
+    freeze_now = is_check & has_reference & (count >= policy.min_steps) & stable
+  return freeze_now, new_reference, new_ratio

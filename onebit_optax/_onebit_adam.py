@@ -1,0 +1,383 @@
+"""1-bit Adam: Adam moments with a frozen-variance phase switch, and the alias."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+from optax._src import numerics
+
+from onebit_optax import _collective
+from onebit_optax import _compressor
+from onebit_optax import _freeze
+
+__all__ = [
+    "ScaleByOnebitAdamState",
+    "scale_by_onebit_adam",
+    "onebit_adam",
+    "is_frozen",
+    "freeze_step",
+    "variance_ratio",
+    "wire_bytes",
+]
+
+
+class ScaleByOnebitAdamState(NamedTuple):
+  """State for :func:`scale_by_onebit_adam`.
+
+  ``worker_error`` and ``server_error`` are per device: under ``shard_map`` their
+  leading axis is the device axis (shard it with ``P(axis_name)``, see
+  :func:`state_partition_specs`); every other field is replicated.
+  """
+
+  count: jax.Array  # shape=(), dtype=int32: optimizer steps taken.
+  mu: optax.Updates  # like params, float32: first moment (replicated).
+  nu: optax.Updates  # like params, float32: second moment, raw (no bias correction); frozen after the switch.
+  frozen: jax.Array  # shape=(), dtype=bool: True once in the compression phase.
+  freeze_step: jax.Array  # shape=(), dtype=int32: last warmup step (0 while warming up).
+  variance_ratio: jax.Array  # shape=(), dtype=float32: last ||v_hat_t||_1 / ||v_hat_{t-Δ}||_1 (NaN before the first).
+  reference_l1: jax.Array  # shape=(), dtype=float32: ||v_hat||_1 at the last check (every Δ steps).
+  wire_bytes: jax.Array  # shape=(), dtype=float32: bytes this device sent in the last step.
+  worker_error: jax.Array  # shape=(1, padded), dtype=float32: this device's compression error.
+  server_error: jax.Array  # shape=(1, padded // n), dtype=float32: this device's error as server of its chunk.
+
+
+def _check_params(params) -> tuple[int, Any]:
+  leaves_with_path = jax.tree_util.tree_leaves_with_path(params)
+  if not leaves_with_path:
+    raise ValueError(
+        "onebit_adam got empty params (no array leaves): there is nothing to optimize. "
+        "Pass the model's parameter pytree.")
+  for path, leaf in leaves_with_path:
+    dtype = jnp.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"onebit_adam: leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only "
+          "floating-point parameters can be optimized. Keep integer/bool leaves out "
+          "of the optimizer, e.g. with optax.masked or optax.partition.")
+  size = sum(int(np.prod(np.shape(leaf))) for _, leaf in leaves_with_path)
+  if size == 0:
+    raise ValueError(
+        "onebit_adam got params whose leaves all have size 0: there is nothing to "
+        "optimize.")
+  return size, jax.tree.structure(params)
+
+
+def _zeros_f32(tree):
+  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+
+
+def _vary(x, axis_name):
+  """Marks ``x`` as differing across devices (needed for per-device buffers)."""
+  if axis_name is None or axis_name in _collective._varying_axes(x):
+    return x
+  try:
+    return jax.lax.pcast(x, axis_name, to="varying")
+  except ValueError:  # outside a check_vma shard_map, there is no type to change
+    return x
+
+
+def scale_by_onebit_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    axis_name: Optional[Hashable],
+    freeze: _freeze.FreezePolicy | int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Rescales local gradients by 1-bit Adam, averaging them across ``axis_name``.
+
+  Feed it each device's *local* gradient :math:`g_i`; it does the communication.
+
+  **Warmup** (until the freeze policy fires at step :math:`T_0`): exactly
+  :func:`optax.scale_by_adam` applied to the mean gradient
+  :math:`\bar g = \frac1n \sum_i g_i` (one float32 all-reduce):
+
+  .. math::
+
+    m_t = \beta_1 m_{t-1} + (1-\beta_1)\bar g_t, \quad
+    v_t = \beta_2 v_{t-1} + (1-\beta_2)\bar g_t^2, \quad
+    u_t = \frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}.
+
+  **Compression** (:math:`t > T_0`): :math:`v` is frozen; each device updates
+  the momentum with its local gradient and the momenta are averaged by the
+  error-compensated 1-bit :func:`compressed_mean` (about 1/32 of the bytes):
+
+  .. math::
+
+    m_t = \mathrm{compressed\_mean}_i\big(\beta_1 m_{t-1} + (1-\beta_1) g_{i,t}\big), \quad
+    u_t = \frac{m_t/(1-\beta_1^t)}{\sqrt{v_{T_0}/(1-\beta_2^{T_0})} + \epsilon},
+
+  with :math:`u_t = 0` where :math:`v_{T_0} = 0` (coordinates that never had a
+  gradient stay put instead of following sign noise). All leaves travel in one
+  flat buffer, so a step has the same collectives for 2 leaves or 2000. The
+  switch is one ``lax.cond`` on the replicated ``frozen`` flag, so only the
+  taken branch communicates and all devices take the same branch.
+
+  With ``axis_name=None`` (one device, no mesh) there is no communication: the
+  warmup is Adam, and the compression phase applies the same 1-bit compression
+  with error feedback to the momentum (a 1-device cluster), which lets one study
+  its effect on convergence.
+
+  Args:
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    eps: added to the denominator.
+    axis_name: the data-parallel axis of ``shard_map``/``pmap``, or None.
+    freeze: when to switch: :func:`variance_ratio_freeze` (default, with
+      ``min_steps=0``) or :func:`fixed_step_freeze` (an int ``k`` means
+      ``fixed_step_freeze(k)``).
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs`. ``init`` and ``update`` must
+    run inside the mapped region when ``axis_name`` is set.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import onebit_optax
+    >>> tx = onebit_optax.scale_by_onebit_adam(
+    ...     axis_name=None, freeze=onebit_optax.fixed_step_freeze(1))
+    >>> params = {'w': jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({'w': jnp.array([1., -2., 3.])}, state)
+    >>> bool(onebit_optax.is_frozen(state)), int(onebit_optax.freeze_step(state))
+    (True, 1)
+
+  References:
+    Tang et al., `1-bit Adam: Communication Efficient Large-Scale Training with
+    Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, ICML 2021.
+  """
+  policy = _freeze.check_policy(_freeze.variance_ratio_freeze() if freeze is None else freeze)
+
+  def init_fn(params):
+    size, _ = _check_params(params)
+    n = _collective.axis_size(axis_name, caller="scale_by_onebit_adam.init")
+    padded = _compressor.padded_size(size, n)
+    return ScaleByOnebitAdamState(
+        count=jnp.zeros([], jnp.int32),
+        mu=_zeros_f32(params),
+        nu=_zeros_f32(params),
+        frozen=jnp.zeros([], jnp.bool_),
+        freeze_step=jnp.zeros([], jnp.int32),
+        variance_ratio=jnp.full([], jnp.nan, jnp.float32),
+        reference_l1=jnp.zeros([], jnp.float32),
+        wire_bytes=jnp.zeros([], jnp.float32),
+        worker_error=_vary(jnp.zeros((1, padded), jnp.float32), axis_name),
+        server_error=_vary(jnp.zeros((1, padded // n), jnp.float32), axis_name),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    if not isinstance(state, ScaleByOnebitAdamState):
+      raise TypeError(
+          f"scale_by_onebit_adam.update got a {type(state).__name__} state; pass the "
+          "state returned by this transformation's init.")
+    if jax.tree.structure(updates) != jax.tree.structure(state.mu):
+      raise ValueError(
+          "scale_by_onebit_adam.update: the gradient tree does not match the tree the "
+          f"state was initialised with.\n  gradients: {jax.tree.structure(updates)}\n"
+          f"  state:     {jax.tree.structure(state.mu)}")
+    for g, m in zip(jax.tree.leaves(updates), jax.tree.leaves(state.mu)):
+      if jnp.shape(g) != m.shape:
+        raise ValueError(
+            f"scale_by_onebit_adam.update: a gradient leaf has shape {jnp.shape(g)} but "
+            f"the state holds {m.shape}; did the model change after init?")
+    size, _ = _check_params(updates)
+    n = _collective.axis_size(axis_name, caller="scale_by_onebit_adam.update")
+    padded = _compressor.padded_size(size, n)
+    if state.worker_error.shape != (1, padded) or state.server_error.shape != (1, padded // n):
+      raise ValueError(
+          f"scale_by_onebit_adam.update: the error buffers have shapes "
+          f"{state.worker_error.shape} and {state.server_error.shape} per device, but "
+          f"{size} parameters on {n} devices need (1, {padded}) and (1, {padded // n}). "
+          "The state was made for another device count or model: re-init it, or "
+          "restore it with onebit_optax's checkpoint helpers. Under shard_map, shard "
+          "it with onebit_optax.state_partition_specs(state, axis_name).")
+    if (axis_name is not None and axis_name in _collective._varying_axes(state.worker_error)
+        and any(axis_name not in _collective._varying_axes(g) for g in jax.tree.leaves(updates))):
+      raise ValueError(
+          f"scale_by_onebit_adam.update: the gradients are replicated over {axis_name!r}, "
+          "i.e. already all-reduced. Inside shard_map, jax.grad with respect to replicated "
+          "params sums the gradients across devices in the backward pass, which sends them "
+          "in full precision and defeats the compression. Take the gradient with respect "
+          f"to onebit_optax.local_params(params, {axis_name!r}) instead.")
+
+    grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), updates)
+    count_inc = numerics.safe_increment(state.count)
+    _, unravel = ravel_pytree(state.mu)
+
+    def bias_corrected_update(mu, nu_hat):
+      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+      return jax.tree.map(
+          lambda m, v: jnp.where(v > 0, m / (jnp.sqrt(v) + eps), 0.0), mu_hat, nu_hat)
+
+    def warmup(operands):
+      grads, state = operands
+      flat_grads, _ = ravel_pytree(grads)
+      mean_grads = unravel(_collective.full_precision_mean(flat_grads, axis_name))
+      mu = optax.tree.update_moment(mean_grads, state.mu, b1, 1)
+      nu = optax.tree.update_moment_per_elem_norm(mean_grads, state.nu, b2, 2)
+      nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
+      nu_hat_l1 = sum(jnp.sum(v) for v in jax.tree.leaves(nu_hat))
+      freeze_now, reference, ratio = _freeze.freeze_decision(
+          policy, count_inc, nu_hat_l1, state.reference_l1, state.variance_ratio, b2)
+      # m / (sqrt(v) + eps) as in optax.scale_by_adam (no zero mask before the freeze).
+      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+      out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+      return out, state._replace(
+          mu=mu, nu=nu, frozen=freeze_now,
+          freeze_step=jnp.where(freeze_now, count_inc, 0).astype(jnp.int32),
+          variance_ratio=ratio, reference_l1=reference,
+          wire_bytes=jnp.float32(_collective.allreduce_wire_bytes(size, n)))
+
+    def compression(operands):
+      grads, state = operands
+      local_mu = optax.tree.update_moment(grads, state.mu, b1, 1)
+      flat_mu, _ = ravel_pytree(local_mu)
+      flat_mu = jnp.pad(flat_mu, (0, padded - size))
+      mean_mu, worker_error, server_error = _collective.compressed_mean(
+          flat_mu, state.worker_error[0], state.server_error[0], axis_name)
+      mu = unravel(mean_mu[:size])
+      nu_hat = optax.tree.bias_correction(state.nu, b2, state.freeze_step)
+      return bias_corrected_update(mu, nu_hat), state._replace(
+          mu=mu,
+          worker_error=worker_error[None],
+          server_error=server_error[None],
+          wire_bytes=jnp.float32(_collective.compressed_wire_bytes(padded, n)))
+
+    # The phase switch. `frozen` is computed from replicated values only, so all
+    # devices agree on the branch; only the taken branch's collectives run.
+    new_updates, new_state = jax.lax.cond(state.frozen, compression, warmup, (grads, state))
+    new_updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), new_updates, updates)
+    return new_updates, new_state._replace(count=count_inc, frozen=new_state.frozen | state.frozen)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def onebit_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    axis_name: Optional[Hashable],
+    freeze: _freeze.FreezePolicy | int | None = None,
+    mask: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  r"""1-bit Adam (Tang et al., 2021): Adam whose communication drops to 1 bit per element.
+
+  A chain of :func:`scale_by_onebit_adam`, decoupled weight decay (when
+  ``weight_decay > 0``, as in :func:`optax.adamw`) and
+  :func:`optax.scale_by_learning_rate`:
+
+  .. math::
+
+    \theta_{t} = \theta_{t-1} - \eta_t \big(u_t + \lambda \theta_{t-1}\big),
+
+  with :math:`u_t` the output of :func:`scale_by_onebit_adam`: Adam on the
+  mean gradient during warmup, then frozen-variance momentum SGD whose momentum
+  is averaged with error-compensated 1-bit compression.
+
+  Args:
+    learning_rate: a scalar or an optax schedule.
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    eps: added to the denominator.
+    weight_decay: decoupled weight decay :math:`\lambda` (0 disables it).
+    axis_name: the data-parallel axis of ``shard_map``/``pmap``, or None.
+    freeze: :func:`variance_ratio_freeze` or :func:`fixed_step_freeze` (or an int).
+    mask: as in :func:`optax.adamw`: which leaves get weight decay.
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import onebit_optax
+    >>> tx = onebit_optax.onebit_adam(0.1, axis_name=None, freeze=20)
+    >>> params = jnp.array([1.0, -2.0])
+    >>> state = tx.init(params)
+    >>> for _ in range(40):
+    ...   grads = jax.grad(lambda p: jnp.sum(p ** 2))(params)
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> bool(onebit_optax.is_frozen(state)), bool(jnp.all(jnp.abs(params) < 1.0))
+    (True, True)
+
+  References:
+    Tang et al., `1-bit Adam: Communication Efficient Large-Scale Training with
+    Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, ICML 2021.
+
+    Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+    <https://arxiv.org/abs/1711.05101>`_, 2019.
+  """
+  parts = [scale_by_onebit_adam(b1, b2, eps, axis_name=axis_name, freeze=freeze)]
+  if not (isinstance(weight_decay, (int, float)) and weight_decay == 0.0):
+    parts.append(optax.add_decayed_weights(weight_decay, mask))
+  parts.append(optax.scale_by_learning_rate(learning_rate))
+  return optax.chain(*parts)
+
+
+def _find_state(opt_state) -> ScaleByOnebitAdamState:
+  found = [s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda s: isinstance(s, ScaleByOnebitAdamState))
+           if isinstance(s, ScaleByOnebitAdamState)]
+  if len(found) != 1:
+    raise ValueError(
+        f"Expected exactly one 1-bit Adam state inside the optimizer state, found "
+        f"{len(found)}. Pass the state returned by onebit_adam / scale_by_onebit_adam "
+        "(possibly wrapped by optax.chain, inject_hyperparams, masked, ...).")
+  return found[0]
+
+
+def is_frozen(opt_state) -> jax.Array:
+  """True once the variance is frozen (compression phase). Accepts any state containing one.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> bool(onebit_optax.is_frozen(tx.init({'w': jnp.ones(2)})))
+    False
+  """
+  return _find_state(opt_state).frozen
+
+
+def freeze_step(opt_state) -> jax.Array:
+  """The last warmup step (the variance is frozen after it); 0 while still warming up.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> int(onebit_optax.freeze_step(tx.init({'w': jnp.ones(2)})))
+    0
+  """
+  return _find_state(opt_state).freeze_step
+
+
+def variance_ratio(opt_state) -> jax.Array:
+  r"""The last measured :math:`\lVert\hat v_t\rVert_1 / \lVert\hat v_{t-\Delta}\rVert_1` (NaN before the first).
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> float(onebit_optax.variance_ratio(tx.init({'w': jnp.ones(2)})))
+    nan
+  """
+  return _find_state(opt_state).variance_ratio
+
+
+def wire_bytes(opt_state) -> jax.Array:
+  """Bytes this device sent on the wire in the last step (ring model for the all-reduce).
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> float(onebit_optax.wire_bytes(tx.init({'w': jnp.ones(2)})))
+    0.0
+  """
+  return _find_state(opt_state).wire_bytes
