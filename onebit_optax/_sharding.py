@@ -74,7 +74,7 @@ def state_partition_specs(opt_state, axis_name: Hashable):
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
     >>> specs = onebit_optax.state_partition_specs(tx.init({'w': jnp.ones(3)}), 'data')
     >>> specs[0].worker_error, specs[0].count
-    (PartitionSpec('data',), PartitionSpec())
+    (P('data',), P())
   """
   def spec(node):
     if isinstance(node, ScaleByOnebitAdamState):
