@@ -15,6 +15,7 @@ from onebit_optax._onebit_adam import is_frozen
 from onebit_optax._onebit_adam import onebit_adam
 from onebit_optax._onebit_adam import scale_by_onebit_adam
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
+from onebit_optax._onebit_adam import skipped_steps
 from onebit_optax._onebit_adam import variance_ratio
 from onebit_optax._onebit_adam import wire_bytes
 from onebit_optax._sharding import init_sharded
@@ -38,6 +39,7 @@ __all__ = (
     "scale_by_onebit_adam",
     "ScaleByOnebitAdamState",
     "sign_compress",
+    "skipped_steps",
     "sign_decompress",
     "state_partition_specs",
     "variance_ratio",

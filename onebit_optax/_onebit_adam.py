@@ -23,6 +23,7 @@ __all__ = [
     "freeze_step",
     "variance_ratio",
     "wire_bytes",
+    "skipped_steps",
 ]
 
 
@@ -35,15 +36,31 @@ class ScaleByOnebitAdamState(NamedTuple):
   """
 
   count: jax.Array  # shape=(), dtype=int32: optimizer steps taken.
-  mu: optax.Updates  # like params, float32: first moment (replicated).
-  nu: optax.Updates  # like params, float32: second moment, raw (no bias correction); frozen after the switch.
+  mu: optax.Updates  # like params, moment_dtype (float32): first moment (replicated).
+  nu: optax.Updates  # like params, moment_dtype (float32): second moment, raw (no bias correction); frozen after the switch.
   frozen: jax.Array  # shape=(), dtype=bool: True once in the compression phase.
   freeze_step: jax.Array  # shape=(), dtype=int32: last warmup step (0 while warming up).
   variance_ratio: jax.Array  # shape=(), dtype=float32: last ||v_hat_t||_1 / ||v_hat_{t-Δ}||_1 (NaN before the first).
   reference_l1: jax.Array  # shape=(), dtype=float32: ||v_hat||_1 at the last check (every Δ steps).
   wire_bytes: jax.Array  # shape=(), dtype=float32: bytes this device sent in the last step.
-  worker_error: jax.Array  # shape=(1, padded), dtype=float32: this device's compression error.
-  server_error: jax.Array  # shape=(1, padded // n), dtype=float32: this device's error as server of its chunk.
+  skipped_steps: jax.Array  # shape=(), dtype=int32: steps skipped (together, on all devices) for non-finite gradients.
+  worker_error: jax.Array  # shape=(1, padded), dtype=error_dtype (float32): this device's compression error.
+  server_error: jax.Array  # shape=(1, padded // n), dtype=error_dtype (float32): this device's error as server of its chunk.
+
+
+class _Step(NamedTuple):
+  """What one branch of the phase switch computed (before the non-finite check)."""
+
+  finite: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+  frozen: jax.Array
+  freeze_step: jax.Array
+  variance_ratio: jax.Array
+  reference_l1: jax.Array
+  worker_error: jax.Array
+  server_error: jax.Array
+  wire_bytes: jax.Array
 
 
 def _check_params(params) -> tuple[int, Any]:
@@ -67,8 +84,19 @@ def _check_params(params) -> tuple[int, Any]:
   return size, jax.tree.structure(params)
 
 
-def _zeros_f32(tree):
-  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+def _zeros(tree, dtype):
+  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), dtype), tree)
+
+
+def _as_f32(tree):
+  return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
+
+
+def _check_float_dtype(name, dtype):
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating-point dtype, got {dtype}.")
+  return dtype
 
 
 def _vary(x, axis_name):
@@ -88,6 +116,9 @@ def scale_by_onebit_adam(
     *,
     axis_name: Optional[Hashable],
     freeze: _freeze.FreezePolicy | int | None = None,
+    moment_dtype: Any = jnp.float32,
+    error_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales local gradients by 1-bit Adam, averaging them across ``axis_name``.
 
@@ -118,6 +149,18 @@ def scale_by_onebit_adam(
   switch is one ``lax.cond`` on the replicated ``frozen`` flag, so only the
   taken branch communicates and all devices take the same branch.
 
+  **Non-finite gradients**: if any device's gradient holds a NaN or Inf, the
+  averaged gradient (warmup) or the averaged momentum (compression) is
+  non-finite on *every* device, because each device's contribution reaches all
+  of them. The step is then skipped on all devices together: zero updates, and
+  the state is left as it was except ``skipped_steps`` (+1) and ``wire_bytes``.
+  The predicate is read off the replicated result, so it needs no extra
+  collective and cannot differ across devices (no deadlock).
+
+  All arithmetic is float32; ``moment_dtype`` and ``error_dtype`` only set how
+  the moments and the error buffers are stored. Updates are returned in the
+  gradients' dtype (e.g. bfloat16). The wire format does not depend on them.
+
   With ``axis_name=None`` (one device, no mesh) there is no communication: the
   warmup is Adam, and the compression phase applies the same 1-bit compression
   with error feedback to the momentum (a 1-device cluster), which lets one study
@@ -131,6 +174,10 @@ def scale_by_onebit_adam(
     freeze: when to switch: :func:`variance_ratio_freeze` (default, with
       ``min_steps=0``) or :func:`fixed_step_freeze` (an int ``k`` means
       ``fixed_step_freeze(k)``).
+    moment_dtype: storage dtype of ``mu`` and ``nu``.
+    error_dtype: storage dtype of the per-device error buffers.
+    skip_nonfinite: skip steps with non-finite gradients (see above). With
+      False, a NaN propagates into the moments as in :func:`optax.adam`.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`. ``init`` and ``update`` must
@@ -152,6 +199,8 @@ def scale_by_onebit_adam(
     Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, ICML 2021.
   """
   policy = _freeze.check_policy(_freeze.variance_ratio_freeze() if freeze is None else freeze)
+  moment_dtype = _check_float_dtype("moment_dtype", moment_dtype)
+  error_dtype = _check_float_dtype("error_dtype", error_dtype)
 
   def init_fn(params):
     size, _ = _check_params(params)
@@ -159,15 +208,16 @@ def scale_by_onebit_adam(
     padded = _compressor.padded_size(size, n)
     return ScaleByOnebitAdamState(
         count=jnp.zeros([], jnp.int32),
-        mu=_zeros_f32(params),
-        nu=_zeros_f32(params),
+        mu=_zeros(params, moment_dtype),
+        nu=_zeros(params, moment_dtype),
         frozen=jnp.zeros([], jnp.bool_),
         freeze_step=jnp.zeros([], jnp.int32),
         variance_ratio=jnp.full([], jnp.nan, jnp.float32),
         reference_l1=jnp.zeros([], jnp.float32),
         wire_bytes=jnp.zeros([], jnp.float32),
-        worker_error=_vary(jnp.zeros((1, padded), jnp.float32), axis_name),
-        server_error=_vary(jnp.zeros((1, padded // n), jnp.float32), axis_name),
+        skipped_steps=jnp.zeros([], jnp.int32),
+        worker_error=_vary(jnp.zeros((1, padded), error_dtype), axis_name),
+        server_error=_vary(jnp.zeros((1, padded // n), error_dtype), axis_name),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -206,54 +256,79 @@ def scale_by_onebit_adam(
           "in full precision and defeats the compression. Take the gradient with respect "
           f"to onebit_optax.local_params(params, {axis_name!r}) instead.")
 
-    grads = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), updates)
+    grads = _as_f32(updates)
+    mu32, nu32 = _as_f32(state.mu), _as_f32(state.nu)
     count_inc = numerics.safe_increment(state.count)
-    _, unravel = ravel_pytree(state.mu)
+    _, unravel = ravel_pytree(mu32)
 
-    def bias_corrected_update(mu, nu_hat):
+    def adam_direction(mu, nu_hat, mask_unseen):
       mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+      if not mask_unseen:  # exactly optax.scale_by_adam
+        return jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+      # A coordinate whose frozen variance is 0 never had a gradient: its momentum
+      # is only sign noise from the compressor, which 1/(0 + eps) would amplify.
       return jax.tree.map(
           lambda m, v: jnp.where(v > 0, m / (jnp.sqrt(v) + eps), 0.0), mu_hat, nu_hat)
 
-    def warmup(operands):
-      grads, state = operands
+    def warmup(_):
       flat_grads, _ = ravel_pytree(grads)
-      mean_grads = unravel(_collective.full_precision_mean(flat_grads, axis_name))
-      mu = optax.tree.update_moment(mean_grads, state.mu, b1, 1)
-      nu = optax.tree.update_moment_per_elem_norm(mean_grads, state.nu, b2, 2)
+      flat_mean = _collective.full_precision_mean(flat_grads, axis_name)
+      mean_grads = unravel(flat_mean)
+      mu = optax.tree.update_moment(mean_grads, mu32, b1, 1)
+      nu = optax.tree.update_moment_per_elem_norm(mean_grads, nu32, b2, 2)
       nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
       nu_hat_l1 = sum(jnp.sum(v) for v in jax.tree.leaves(nu_hat))
       freeze_now, reference, ratio = _freeze.freeze_decision(
           policy, count_inc, nu_hat_l1, state.reference_l1, state.variance_ratio, b2)
-      # m / (sqrt(v) + eps) as in optax.scale_by_adam (no zero mask before the freeze).
-      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
-      out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
-      return out, state._replace(
-          mu=mu, nu=nu, frozen=freeze_now,
+      return adam_direction(mu, nu_hat, False), _Step(
+          finite=jnp.all(jnp.isfinite(flat_mean)), mu=mu, nu=nu, frozen=freeze_now,
           freeze_step=jnp.where(freeze_now, count_inc, 0).astype(jnp.int32),
           variance_ratio=ratio, reference_l1=reference,
+          worker_error=state.worker_error, server_error=state.server_error,
           wire_bytes=jnp.float32(_collective.allreduce_wire_bytes(size, n)))
 
-    def compression(operands):
-      grads, state = operands
-      local_mu = optax.tree.update_moment(grads, state.mu, b1, 1)
+    def compression(_):
+      local_mu = optax.tree.update_moment(grads, mu32, b1, 1)
       flat_mu, _ = ravel_pytree(local_mu)
       flat_mu = jnp.pad(flat_mu, (0, padded - size))
       mean_mu, worker_error, server_error = _collective.compressed_mean(
-          flat_mu, state.worker_error[0], state.server_error[0], axis_name)
+          flat_mu, state.worker_error[0].astype(jnp.float32),
+          state.server_error[0].astype(jnp.float32), axis_name)
       mu = unravel(mean_mu[:size])
-      nu_hat = optax.tree.bias_correction(state.nu, b2, state.freeze_step)
-      return bias_corrected_update(mu, nu_hat), state._replace(
-          mu=mu,
-          worker_error=worker_error[None],
-          server_error=server_error[None],
+      nu_hat = optax.tree.bias_correction(nu32, b2, state.freeze_step)
+      return adam_direction(mu, nu_hat, True), _Step(
+          finite=jnp.all(jnp.isfinite(mean_mu)), mu=mu, nu=nu32, frozen=state.frozen,
+          freeze_step=state.freeze_step, variance_ratio=state.variance_ratio,
+          reference_l1=state.reference_l1,
+          worker_error=worker_error[None].astype(error_dtype),
+          server_error=server_error[None].astype(error_dtype),
           wire_bytes=jnp.float32(_collective.compressed_wire_bytes(padded, n)))
 
     # The phase switch. `frozen` is computed from replicated values only, so all
     # devices agree on the branch; only the taken branch's collectives run.
-    new_updates, new_state = jax.lax.cond(state.frozen, compression, warmup, (grads, state))
-    new_updates = jax.tree.map(lambda u, g: u.astype(jnp.result_type(g)), new_updates, updates)
-    return new_updates, new_state._replace(count=count_inc, frozen=new_state.frozen | state.frozen)
+    direction, step = jax.lax.cond(state.frozen, compression, warmup, None)
+
+    # `step.finite` is read off the replicated mean, which every device's
+    # gradient reaches, so all devices agree on it without another collective.
+    apply = step.finite if skip_nonfinite else jnp.bool_(True)
+    keep = lambda new, old: jax.tree.map(
+        lambda a, b: jnp.where(apply, a.astype(b.dtype), b), new, old)
+    new_state = ScaleByOnebitAdamState(
+        count=jnp.where(apply, count_inc, state.count),
+        mu=keep(step.mu, state.mu),
+        nu=keep(step.nu, state.nu),
+        frozen=jnp.where(apply, step.frozen, state.frozen),
+        freeze_step=jnp.where(apply, step.freeze_step, state.freeze_step),
+        variance_ratio=jnp.where(apply, step.variance_ratio, state.variance_ratio),
+        reference_l1=jnp.where(apply, step.reference_l1, state.reference_l1),
+        wire_bytes=step.wire_bytes,
+        skipped_steps=state.skipped_steps + jnp.where(apply, 0, 1).astype(jnp.int32),
+        worker_error=keep(step.worker_error, state.worker_error),
+        server_error=keep(step.server_error, state.server_error),
+    )
+    new_updates = jax.tree.map(
+        lambda d, g: jnp.where(apply, d, 0.0).astype(jnp.result_type(g)), direction, updates)
+    return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -268,6 +343,9 @@ def onebit_adam(
     axis_name: Optional[Hashable],
     freeze: _freeze.FreezePolicy | int | None = None,
     mask: Any = None,
+    moment_dtype: Any = jnp.float32,
+    error_dtype: Any = jnp.float32,
+    skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""1-bit Adam (Tang et al., 2021): Adam whose communication drops to 1 bit per element.
 
@@ -292,6 +370,9 @@ def onebit_adam(
     axis_name: the data-parallel axis of ``shard_map``/``pmap``, or None.
     freeze: :func:`variance_ratio_freeze` or :func:`fixed_step_freeze` (or an int).
     mask: as in :func:`optax.adamw`: which leaves get weight decay.
+    moment_dtype: storage dtype of the moments (see :func:`scale_by_onebit_adam`).
+    error_dtype: storage dtype of the error buffers.
+    skip_nonfinite: skip non-finite steps on all devices together.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`.
@@ -316,7 +397,9 @@ def onebit_adam(
     Loshchilov & Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, 2019.
   """
-  parts = [scale_by_onebit_adam(b1, b2, eps, axis_name=axis_name, freeze=freeze)]
+  parts = [scale_by_onebit_adam(
+      b1, b2, eps, axis_name=axis_name, freeze=freeze, moment_dtype=moment_dtype,
+      error_dtype=error_dtype, skip_nonfinite=skip_nonfinite)]
   if not (isinstance(weight_decay, (int, float)) and weight_decay == 0.0):
     parts.append(optax.add_decayed_weights(weight_decay, mask))
   parts.append(optax.scale_by_learning_rate(learning_rate))
@@ -381,3 +464,17 @@ def wire_bytes(opt_state) -> jax.Array:
     0.0
   """
   return _find_state(opt_state).wire_bytes
+
+
+def skipped_steps(opt_state) -> jax.Array:
+  """How many steps were skipped on all devices because a gradient was not finite.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> _, state = tx.update({'w': jnp.array([1.0, jnp.nan])}, state)
+    >>> int(onebit_optax.skipped_steps(state))
+    1
+  """
+  return _find_state(opt_state).skipped_steps
