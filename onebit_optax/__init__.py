@@ -1,5 +1,7 @@
 """onebit-optax: 1-bit Adam (Tang et al., 2021) as a native Optax gradient transformation."""
 
+from onebit_optax._accumulate import accumulate_gradients
+from onebit_optax._accumulate import clip_by_global_norm
 from onebit_optax._collective import allreduce_wire_bytes
 from onebit_optax._collective import compressed_mean
 from onebit_optax._collective import compressed_wire_bytes
@@ -25,6 +27,8 @@ from onebit_optax._sharding import state_partition_specs
 __version__ = "0.1.0"
 
 __all__ = (
+    "accumulate_gradients",
+    "clip_by_global_norm",
     "allreduce_wire_bytes",
     "compressed_mean",
     "compressed_wire_bytes",
