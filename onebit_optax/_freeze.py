@@ -6,6 +6,7 @@ from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "VarianceRatioFreeze",
@@ -135,6 +136,10 @@ def check_policy(policy) -> FreezePolicy:
     return policy
   if isinstance(policy, int) and not isinstance(policy, bool):
     return fixed_step_freeze(policy)
+  if (isinstance(policy, (jax.Array, np.ndarray)) and policy.shape == ()
+      and jnp.issubdtype(policy.dtype, jnp.number)):
+    # optax.inject_hyperparams turns an int `freeze=k` into a (traced) array.
+    return FixedStepFreeze(policy, None)
   raise TypeError(
       f"freeze={policy!r} is not a freeze policy: pass "
       "onebit_optax.variance_ratio_freeze(min_steps=...) or "

@@ -93,7 +93,7 @@ def _as_f32(tree):
 
 
 def _check_float_dtype(name, dtype):
-  dtype = jnp.dtype(dtype)
+  dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"{name} must be a floating-point dtype, got {dtype}.")
   return dtype
@@ -116,8 +116,8 @@ def scale_by_onebit_adam(
     *,
     axis_name: Optional[Hashable],
     freeze: _freeze.FreezePolicy | int | None = None,
-    moment_dtype: Any = jnp.float32,
-    error_dtype: Any = jnp.float32,
+    moment_dtype: Any = None,
+    error_dtype: Any = None,
     skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales local gradients by 1-bit Adam, averaging them across ``axis_name``.
@@ -174,8 +174,10 @@ def scale_by_onebit_adam(
     freeze: when to switch: :func:`variance_ratio_freeze` (default, with
       ``min_steps=0``) or :func:`fixed_step_freeze` (an int ``k`` means
       ``fixed_step_freeze(k)``).
-    moment_dtype: storage dtype of ``mu`` and ``nu``.
-    error_dtype: storage dtype of the per-device error buffers.
+    moment_dtype: storage dtype of ``mu`` and ``nu`` (None: float32). Under
+      :func:`optax.inject_hyperparams`, give dtypes as strings (``'bfloat16'``):
+      it would take a dtype class for a schedule.
+    error_dtype: storage dtype of the per-device error buffers (None: float32).
     skip_nonfinite: skip steps with non-finite gradients (see above). With
       False, a NaN propagates into the moments as in :func:`optax.adam`.
 
@@ -343,8 +345,8 @@ def onebit_adam(
     axis_name: Optional[Hashable],
     freeze: _freeze.FreezePolicy | int | None = None,
     mask: Any = None,
-    moment_dtype: Any = jnp.float32,
-    error_dtype: Any = jnp.float32,
+    moment_dtype: Any = None,
+    error_dtype: Any = None,
     skip_nonfinite: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   r"""1-bit Adam (Tang et al., 2021): Adam whose communication drops to 1 bit per element.
