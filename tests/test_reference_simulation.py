@@ -1,0 +1,251 @@
+"""1-bit Adam on 8 devices against an independent numpy simulation of 8 workers.
+
+The simulation below is written from the algorithm's description (the 1-bit
+Adam paper and DeepSpeed's ``compressed_allreduce``), not from this package: it
+imports nothing from ``onebit_optax``. It keeps 8 workers' state in numpy
+float32 arrays and spells out every message: the sign bits are packed with
+``np.packbits``, phase 1 hands chunk ``r`` of every worker's packed signs to
+worker ``r``, phase 2 hands every worker the packed server chunks.
+
+Both runs train the same linear regression (a different data shard per device,
+two parameter leaves, 90 parameters: padded to 128 = 2 * 8 * 8, so 38 padding
+elements take part in the compression) through warmup, the freeze and 30
+compression steps. Every step compares the parameters, the momentum and each
+device's worker and server error buffers.
+
+Tolerance: every compared array must agree to ``tolerance * max|numpy
+array|`` at every step. The simulation is float32 too, but numpy and XLA sum in
+different orders (the gradient's matmul, the RMS scales, the means): a few ulps
+per operation, accumulated over the steps. The bias corrections add more with
+optax's defaults: ``1 - b2**t`` is computed in float32 (as optax does), and
+for b2 = 0.999 that subtraction cancels 3 digits, so XLA's ``pow`` and the
+exact value differ by up to 2e-5 relative. Hence two configurations:
+
+* ``b1=0.9, b2=0.999``: tolerance 5e-5 (measured worst: 8.5e-6, params['b']).
+* ``b1=0.5, b2=0.75``: every ``b**t`` up to the freeze is exact in float32, so
+  only the summation order is left: tolerance 1e-5 (measured worst: 1.6e-6).
+
+Both are orders of magnitude below what one wrong bit does: a flipped sign
+moves a worker error by 2 * scale (relative change ~1) and the server's chunk
+mean by 2 * scale / 8. The sign decisions themselves must agree exactly, so the
+test also checks that no compressed value came within rounding of 0 (smallest
+|u| / scale over the run: 1.2e-4 and 6e-5, against float32 differences of a
+few 1e-7).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import onebit_optax
+
+N = 8  # workers (devices)
+FEATURES, OUTPUTS, LOCAL_BATCH = 29, 3, 12
+SIZE = FEATURES * OUTPUTS + OUTPUTS  # 90, not a multiple of 64
+PADDED = 128  # the smallest multiple of 8 * N that holds SIZE
+CHUNK = PADDED // N
+LR, EPS = 0.02, 1e-8
+FREEZE_AT, NUM_STEPS = 15, 45
+
+
+def _problem(seed=1):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(N, LOCAL_BATCH, FEATURES)).astype(np.float32)
+  # Feature 0 is never seen: the gradients of w[0, :] are exactly 0 on every
+  # device, so their variance is 0 at the freeze and 1-bit Adam must keep them
+  # still although the compressor gives their momentum sign noise.
+  x[:, :, 0] = 0.0
+  w_true = rng.normal(size=(N, FEATURES, OUTPUTS)) + 1.0  # a different optimum per device
+  y = (np.einsum("dbf,dfo->dbo", x, w_true) + 0.5).astype(np.float32)
+  w0 = (rng.normal(size=(FEATURES, OUTPUTS)) * 0.1).astype(np.float32)
+  b0 = np.zeros((OUTPUTS,), np.float32)
+  return {"w": w0, "b": b0}, x, y
+
+
+# ----------------------------------------------------------------------------
+# The simulation (numpy only).
+
+
+def _flatten(w, b):
+  # One flat vector for all leaves, in pytree order (dict keys sorted: b, w).
+  return np.concatenate([b.ravel(), w.ravel()]).astype(np.float32)
+
+
+def _unflatten(flat):
+  return flat[OUTPUTS:].reshape(FEATURES, OUTPUTS), flat[:OUTPUTS]
+
+
+def _local_gradient(theta, x, y):
+  """d/dtheta of 0.5 * mean_batch ||x w + b - y||^2, by hand."""
+  b, w = theta[:OUTPUTS], theta[OUTPUTS:].reshape(FEATURES, OUTPUTS)
+  residual = x @ w + b - y
+  grad_w = x.T @ residual / np.float32(x.shape[0])
+  grad_b = residual.sum(axis=0) / np.float32(x.shape[0])
+  return _flatten(grad_w, grad_b)
+
+
+def _rms(v):
+  return np.float32(np.sqrt(np.sum(v * v, dtype=np.float32)) / np.float32(np.sqrt(v.size)))
+
+
+def _compress(v):
+  """Sign bits packed 8 per byte (bit k of byte j = element 8j + k) and the RMS scale."""
+  return np.packbits(v >= 0, bitorder="little"), _rms(v)  # sign(0) = sign(-0.0) = +1
+
+
+def _decompress(packed, scale, size):
+  bits = np.unpackbits(packed, count=size, bitorder="little")
+  return np.where(bits == 1, scale, -scale).astype(np.float32)
+
+
+class _Simulation:
+  """8 workers running 1-bit Adam with DeepSpeed's two-phase compressed allreduce."""
+
+  def __init__(self, theta, x, y, b1, b2):
+    self.b1, self.b2 = b1, b2
+    self.theta = theta.copy()
+    self.x, self.y = x, y
+    self.mu = np.zeros(SIZE, np.float32)
+    self.nu = np.zeros(SIZE, np.float32)
+    self.worker_error = np.zeros((N, PADDED), np.float32)
+    self.server_error = np.zeros((N, CHUNK), np.float32)
+    self.step = 0
+    self.min_sign_margin = np.inf  # smallest |value| / scale of any compressed value
+
+  def _note_margin(self, u, scale):
+    # Exact zeros (never-seen coordinates, fresh padding) are computed exactly
+    # on both sides and encode as +1; only nonzero values can be rounded across 0.
+    nonzero = np.abs(u[u != 0])
+    if nonzero.size:
+      self.min_sign_margin = min(self.min_sign_margin, float(np.min(nonzero) / scale))
+
+  def _compressed_allreduce(self, local):
+    """local: (N, PADDED) float32, one row per worker; returns the mean every worker decodes."""
+    # Phase 1: each worker compresses (its vector + its error) and sends chunk r
+    # of its packed signs, with its scale, to worker r.
+    outbox = []
+    for i in range(N):
+      u = local[i] + self.worker_error[i]
+      packed, scale = _compress(u)
+      self._note_margin(u, scale)
+      self.worker_error[i] = u - _decompress(packed, scale, PADDED)
+      outbox.append((packed.reshape(N, CHUNK // 8), scale))
+    # Phase 2: worker r, server of chunk r, averages what it received, adds its
+    # server error and re-compresses; everyone receives every server's message.
+    gathered = []
+    for r in range(N):
+      received = np.stack([_decompress(outbox[i][0][r], outbox[i][1], CHUNK) for i in range(N)])
+      w = received.mean(axis=0, dtype=np.float32) + self.server_error[r]
+      packed, scale = _compress(w)
+      self.server_error[r] = w - _decompress(packed, scale, CHUNK)
+      gathered.append((packed, scale))
+    return np.concatenate([_decompress(p, s, CHUNK) for p, s in gathered])
+
+  def update(self):
+    self.step += 1
+    t, b1, b2 = self.step, self.b1, self.b2
+    grads = np.stack([_local_gradient(self.theta, self.x[i], self.y[i]) for i in range(N)])
+    if t <= FREEZE_AT:  # warmup: Adam with bias correction on the mean gradient
+      g = grads.mean(axis=0, dtype=np.float32)
+      self.mu = np.float32(1 - b1) * g + np.float32(b1) * self.mu
+      self.nu = np.float32(1 - b2) * g * g + np.float32(b2) * self.nu
+      nu_hat = self.nu / np.float32(1 - b2 ** t)
+      direction = (self.mu / np.float32(1 - b1 ** t)) / (np.sqrt(nu_hat) + np.float32(EPS))
+    else:  # compression: local momenta, averaged by the 1-bit allreduce; nu frozen
+      local_mu = np.float32(1 - b1) * grads + np.float32(b1) * self.mu
+      padded = np.zeros((N, PADDED), np.float32)
+      padded[:, :SIZE] = local_mu
+      self.mu = self._compressed_allreduce(padded)[:SIZE]
+      nu_hat = self.nu / np.float32(1 - b2 ** FREEZE_AT)  # v frozen at the end of warmup
+      with np.errstate(divide="ignore", invalid="ignore"):
+        direction = (self.mu / np.float32(1 - b1 ** t)) / (np.sqrt(nu_hat) + np.float32(EPS))
+      direction = np.where(self.nu == 0, np.float32(0), direction).astype(np.float32)
+    self.theta = (self.theta - np.float32(LR) * direction).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------
+# The JAX run.
+
+
+def _loss(params, x, y):
+  return 0.5 * jnp.mean(jnp.sum((x @ params["w"] + params["b"] - y) ** 2, axis=-1))
+
+
+def _close(actual, expected, tolerance, what, magnitude=None):
+  """|actual - expected| <= tolerance * magnitude (default: max|expected|)."""
+  actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  if magnitude is None:
+    magnitude = float(np.max(np.abs(expected)))
+  np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerance * magnitude,
+                             err_msg=what)
+
+
+@pytest.mark.parametrize(
+    "b1, b2, tolerance", [(0.9, 0.999, 5e-5), (0.5, 0.75, 1e-5)],
+    ids=["optax_defaults", "exact_bias_correction"])
+def test_matches_numpy_simulation_of_8_workers(b1, b2, tolerance):
+  assert jax.device_count() == N
+  params0, x, y = _problem()
+  mesh = jax.make_mesh((N,), ("data",))
+  tx = onebit_optax.onebit_adam(LR, b1, b2, EPS, axis_name="data",
+                                freeze=onebit_optax.fixed_step_freeze(FREEZE_AT))
+  params = jax.device_put(params0, NamedSharding(mesh, P()))
+  opt_state = onebit_optax.init_sharded(tx, params, mesh)
+  specs = onebit_optax.state_partition_specs(opt_state, "data")
+  assert opt_state[0].worker_error.shape == (N, PADDED)
+  assert opt_state[0].server_error.shape == (N, CHUNK)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                     out_specs=(P(), specs))
+  def step(params, opt_state, x, y):
+    grads = jax.grad(_loss)(onebit_optax.local_params(params, "data"), x[0], y[0])
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  x_dev = jax.device_put(x, NamedSharding(mesh, P("data")))
+  y_dev = jax.device_put(y, NamedSharding(mesh, P("data")))
+  sim = _Simulation(_flatten(params0["w"], params0["b"]), x, y, b1, b2)
+
+  for t in range(1, NUM_STEPS + 1):
+    params, opt_state = step(params, opt_state, x_dev, y_dev)
+    sim.update()
+    state = opt_state[0]
+    at = f" after step {t}"
+    sim_w, sim_b = _unflatten(sim.theta)
+    _close(params["w"], sim_w, tolerance, "params['w']" + at)
+    _close(params["b"], sim_b, tolerance, "params['b']" + at)
+    mu_w, mu_b = _unflatten(sim.mu)
+    _close(state.mu["w"], mu_w, tolerance, "mu['w']" + at)
+    _close(state.mu["b"], mu_b, tolerance, "mu['b']" + at)
+    assert bool(state.frozen) == (t >= FREEZE_AT), at
+    if t > FREEZE_AT:
+      # Global arrays: row i is device i's buffer. Some server chunks hold only
+      # padding (all zeros, or near 0 after cancellation), so the errors are
+      # measured against the size of all the compressed values of the step.
+      worker_error, server_error = np.asarray(state.worker_error), np.asarray(state.server_error)
+      magnitude = float(np.max(np.abs(sim.worker_error)))
+      for i in range(N):
+        _close(worker_error[i], sim.worker_error[i], tolerance, f"worker_error[{i}]" + at,
+               magnitude)
+        _close(server_error[i], sim.server_error[i], tolerance, f"server_error[{i}]" + at,
+               magnitude)
+    else:
+      assert not np.any(np.asarray(state.worker_error)), at
+
+  assert int(onebit_optax.freeze_step(opt_state)) == FREEZE_AT
+  # The never-seen coordinates have momentum (sign noise) but did not move.
+  assert np.all(np.asarray(opt_state[0].nu["w"])[0] == 0)
+  assert np.any(np.asarray(opt_state[0].mu["w"])[0] != 0)
+  np.testing.assert_array_equal(np.asarray(params["w"])[0], params0["w"][0])
+  # Padding took part: its worker errors are not zero.
+  assert np.all(np.abs(np.asarray(opt_state[0].worker_error)[:, SIZE:]) > 0)
+  # No compressed value was within rounding of a sign flip, so the sign
+  # decisions were robust and the comparison above is meaningful.
+  assert sim.min_sign_margin > 1e-5, sim.min_sign_margin
