@@ -1,0 +1,255 @@
+"""A small reader for compiled HLO text: which collectives run, on what, and where.
+
+The communication claims of 1-bit Adam are claims about the compiled program
+(which collectives XLA emits, on which dtypes, in which branch of the phase
+switch), so the tests read them off ``jax.jit(f).lower(...).compile().as_text()``
+rather than trusting the Python code that asked for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Iterable, Optional
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "c128": 16,
+}
+
+# Opcode (after dropping an async "-start" suffix) -> canonical collective name.
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
+               "collective-permute", "collective-broadcast")
+
+_CALLED_ATTR = re.compile(
+    r"\b(?:to_apply|calls|body|condition|branch_computations|true_computation|"
+    r"false_computation|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+  dtype: str
+  dims: tuple[int, ...]
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.dims)
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * _DTYPE_BYTES[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  name: str
+  opcode: str  # as written, e.g. "all-gather" or "all-gather-start".
+  shape: object  # an Array or a tuple of shapes (nested like the HLO tuple).
+  computation: str  # the computation that holds this instruction.
+  called: tuple[str, ...]  # computations it calls, in order (branches in branch order).
+  group_size: Optional[int]  # devices per replica group, for collectives.
+  line: str
+
+  @property
+  def collective(self) -> Optional[str]:
+    """The canonical collective kind, or None for other instructions."""
+    op = self.opcode[:-len("-start")] if self.opcode.endswith("-start") else self.opcode
+    return op if op in COLLECTIVES else None
+
+  @property
+  def result_arrays(self) -> tuple[Array, ...]:
+    """The arrays the collective produces on this device."""
+    shape = self.shape
+    # Async all-gather / collective-permute starts return (operands, results).
+    if (self.opcode in ("all-gather-start", "collective-permute-start")
+        and isinstance(shape, tuple) and len(shape) == 2):
+      shape = shape[1]
+    return tuple(_flatten(shape))
+
+  @property
+  def dtypes(self) -> frozenset[str]:
+    return frozenset(a.dtype for a in self.result_arrays)
+
+  @property
+  def size(self) -> int:
+    return sum(a.size for a in self.result_arrays)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(a.nbytes for a in self.result_arrays)
+
+  def wire_bytes(self, n: Optional[int] = None) -> float:
+    """Bytes one device sends for this collective, in the ring model.
+
+    all-reduce: 2 (n-1)/n of the buffer (reduce-scatter + all-gather);
+    all-gather: (n-1)/n of the output; all-to-all: (n-1)/n of the buffer (the
+    part that stays on the device does not travel); reduce-scatter: (n-1) times
+    the output; collective-permute / broadcast: the whole buffer.
+    """
+    n = self.group_size if n is None else n
+    kind, b = self.collective, self.nbytes
+    if kind == "all-reduce":
+      return 2.0 * (n - 1) / n * b
+    if kind in ("all-gather", "all-to-all"):
+      return (n - 1) / n * b
+    if kind == "reduce-scatter":
+      return float((n - 1) * b)
+    if kind in ("collective-permute", "collective-broadcast"):
+      return float(b)
+    raise ValueError(f"{self.name} is not a collective ({self.opcode}).")
+
+  def __str__(self):
+    arrays = ", ".join(f"{a.dtype}{list(a.dims)}" for a in self.result_arrays)
+    return f"{self.collective or self.opcode}({arrays}) in {self.computation}"
+
+
+def _flatten(shape) -> Iterable[Array]:
+  if isinstance(shape, Array):
+    yield shape
+  else:
+    for s in shape:
+      yield from _flatten(s)
+
+
+def _parse_shape(text: str):
+  """Parses a (possibly tuple) HLO shape at the start of ``text``; returns (shape, rest)."""
+  text = text.lstrip()
+  if text.startswith("("):
+    elements, rest = [], text[1:]
+    while True:
+      rest = rest.lstrip()
+      if rest.startswith(")"):
+        return tuple(elements), rest[1:]
+      element, rest = _parse_shape(rest)
+      elements.append(element)
+      rest = rest.lstrip()
+      if rest.startswith(","):
+        rest = rest[1:]
+  m = re.match(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?", text)
+  if not m:
+    raise ValueError(f"cannot parse an HLO shape at: {text[:80]!r}")
+  dims = tuple(int(d) for d in m.group(2).replace("<=", "").split(",") if d)
+  return Array(m.group(1), dims), text[m.end():]
+
+
+def _group_size(line: str) -> Optional[int]:
+  m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+  if m:
+    return len(m.group(1).split(","))
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)  # iota form: [groups, size]<=[...]
+  if m:
+    return int(m.group(2))
+  return None
+
+
+class HloModule:
+  """The computations of a compiled HLO module and the instructions in each."""
+
+  def __init__(self, text: str):
+    self.text = text
+    self.computations: dict[str, list[Instruction]] = {}
+    self.entry: Optional[str] = None
+    current = None
+    for raw in text.splitlines():
+      line = _COMMENT.sub("", raw)
+      if not line.strip():
+        continue
+      if not line[0].isspace():
+        header = re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$", line)
+        if header:
+          current = header.group(2)
+          self.computations[current] = []
+          if header.group(1):
+            self.entry = current
+        elif line.startswith("}"):
+          current = None
+        continue
+      if current is None:
+        continue
+      m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+      if not m:
+        continue
+      shape, rest = _parse_shape(m.group(2))
+      op = re.match(r"\s*([a-z][a-z0-9\-]*)\(", rest)
+      if not op:
+        continue
+      called = []
+      for attr in _CALLED_ATTR.finditer(rest):
+        called += [c.strip().lstrip("%") for c in attr.group(1).strip("{}").split(",") if c.strip()]
+      self.computations[current].append(Instruction(
+          name=m.group(1), opcode=op.group(1), shape=shape, computation=current,
+          called=tuple(called), group_size=_group_size(rest), line=raw.strip()))
+    if self.entry is None:
+      raise ValueError("no ENTRY computation in the HLO text")
+
+  def instructions(self, computations: Iterable[str]) -> list[Instruction]:
+    return [i for c in sorted(computations) for i in self.computations[c]]
+
+  def reachable(self, roots: Iterable[str], skip: Iterable[str] = ()) -> set[str]:
+    """Computations reachable from ``roots``, not following instructions named in ``skip``."""
+    skip, seen, todo = set(skip), set(), list(roots)
+    while todo:
+      c = todo.pop()
+      if c in seen:
+        continue
+      seen.add(c)
+      for instr in self.computations[c]:
+        if instr.name not in skip:
+          todo += [x for x in instr.called if x in self.computations]
+    return seen
+
+  def collectives(self, computations: Iterable[str]) -> list[Instruction]:
+    """Collectives in ``computations`` (async "-done" halves are not counted twice)."""
+    return [i for i in self.instructions(computations) if i.collective]
+
+  def conditionals(self) -> list[Instruction]:
+    return [i for i in self.instructions(self.reachable([self.entry]))
+            if i.opcode == "conditional"]
+
+
+@dataclasses.dataclass
+class PhaseCollectives:
+  """The collectives of a training step, split by the 1-bit Adam phase switch."""
+
+  conditional: Instruction
+  warmup: list[Instruction]
+  compression: list[Instruction]
+  outside: list[Instruction]  # forward, backward and anything else outside the switch.
+
+
+def split_by_phase(module: HloModule) -> PhaseCollectives:
+  """Finds the phase switch (the conditional whose branches communicate) and splits.
+
+  The compression branch is the one holding an all-to-all; the other is warmup.
+  """
+  switches = []
+  for cond in module.conditionals():
+    per_branch = [module.collectives(module.reachable([b])) for b in cond.called]
+    if any(per_branch):
+      switches.append((cond, per_branch))
+  if len(switches) != 1:
+    raise AssertionError(
+        f"expected one conditional with collectives in its branches, found {len(switches)}: "
+        f"{[c.name for c, _ in switches]}")
+  cond, per_branch = switches[0]
+  if len(per_branch) != 2:
+    raise AssertionError(f"the phase switch {cond.name} has {len(per_branch)} branches, not 2")
+  with_a2a = [i for i, cs in enumerate(per_branch) if any(c.collective == "all-to-all" for c in cs)]
+  if len(with_a2a) != 1:
+    raise AssertionError(
+        f"expected exactly one branch with an all-to-all, got branches {with_a2a}: "
+        f"{[[str(c) for c in cs] for cs in per_branch]}")
+  compression = per_branch[with_a2a[0]]
+  warmup = per_branch[1 - with_a2a[0]]
+  outside = module.collectives(module.reachable([module.entry], skip=[cond.name]))
+  return PhaseCollectives(cond, warmup, compression, outside)
+
+
+def total_wire_bytes(collectives: Iterable[Instruction], n: Optional[int] = None) -> float:
+  return sum(c.wire_bytes(n) for c in collectives)
