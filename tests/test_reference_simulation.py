@@ -249,3 +249,91 @@ def test_matches_numpy_simulation_of_8_workers(b1, b2, tolerance):
   # No compressed value was within rounding of a sign flip, so the sign
   # decisions were robust and the comparison above is meaningful.
   assert sim.min_sign_margin > 1e-5, sim.min_sign_margin
+
+
+# ----------------------------------------------------------------------------
+# Cross-replica identity: no simulation needed, only the devices' own buffers.
+
+
+def _replica_copies(array):
+  """Each device's own buffer of a replicated output (np.asarray would show device 0's)."""
+  return [np.asarray(shard.data) for shard in array.addressable_shards]
+
+
+def _assert_bitwise_identical(copies, what):
+  assert len(copies) == N, what
+  reference = copies[0].view(np.uint32)
+  for i, copy in enumerate(copies[1:], 1):
+    assert np.array_equal(copy.view(np.uint32), reference), f"{what}: device {i} != device 0"
+
+
+def test_replica_inspection_sees_divergent_copies():
+  # The check below is only worth something if a replica that diverged would
+  # show: under check_vma=False, out_specs=P() accepts per-device values without
+  # complaint, and the shards must then expose them.
+  mesh = jax.make_mesh((N,), ("data",))
+  per_device = jax.jit(jax.shard_map(
+      lambda: jnp.full((3,), jax.lax.axis_index("data"), jnp.float32), mesh=mesh,
+      in_specs=(), out_specs=P(), check_vma=False))()
+  copies = _replica_copies(per_device)
+  with pytest.raises(AssertionError, match="device 1 != device 0"):
+    _assert_bitwise_identical(copies, "axis_index")
+
+
+def test_replicas_bitwise_identical_after_100_compression_steps():
+  freeze_at, num_steps = 5, 110
+  params0, x, y = _problem()
+  tx = onebit_optax.onebit_adam(LR, axis_name="data",
+                                freeze=onebit_optax.fixed_step_freeze(freeze_at))
+
+  def local_step(params, opt_state, x, y, grad_params):
+    grads = jax.grad(_loss)(grad_params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  # shard_map: replicated params and momentum, one copy per device.
+  mesh = jax.make_mesh((N,), ("data",))
+  params = jax.device_put(params0, NamedSharding(mesh, P()))
+  opt_state = onebit_optax.init_sharded(tx, params, mesh)
+  specs = onebit_optax.state_partition_specs(opt_state, "data")
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                     out_specs=(P(), specs))
+  def shard_map_step(params, opt_state, x, y):
+    return local_step(params, opt_state, x[0], y[0], onebit_optax.local_params(params, "data"))
+
+  # pmap: the same step, gradients are local without any cast.
+  pmap_step = jax.pmap(lambda p, s, x, y: local_step(p, s, x, y, p), axis_name="data")
+  pmap_params = jax.tree.map(lambda a: np.stack([a] * N), params0)  # one copy per device
+  pmap_state = jax.pmap(tx.init, axis_name="data")(pmap_params)
+
+  x_dev = jax.device_put(x, NamedSharding(mesh, P("data")))
+  y_dev = jax.device_put(y, NamedSharding(mesh, P("data")))
+  for _ in range(num_steps):
+    params, opt_state = shard_map_step(params, opt_state, x_dev, y_dev)
+    pmap_params, pmap_state = pmap_step(pmap_params, pmap_state, x, y)
+
+  for state in (opt_state[0], pmap_state[0]):
+    assert bool(np.all(np.asarray(state.frozen)))
+    assert np.all(np.asarray(state.count) - np.asarray(state.freeze_step) >= 100)
+  # The devices really computed different things: their local momenta, hence
+  # their worker errors, differ. Only the decoded mean is shared.
+  worker_error = np.asarray(opt_state[0].worker_error)
+  assert not np.array_equal(worker_error[0], worker_error[1])
+
+  replicated = {"params": params, "mu": opt_state[0].mu}
+  for name, tree in replicated.items():
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      _assert_bitwise_identical(_replica_copies(leaf),
+                                f"shard_map {name}{jax.tree_util.keystr(path)}")
+  pmap_replicated = {"params": pmap_params, "mu": pmap_state[0].mu}
+  for name, tree in pmap_replicated.items():
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      copies = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+      _assert_bitwise_identical([c.reshape(c.shape[1:]) for c in copies],
+                                f"pmap {name}{jax.tree_util.keystr(path)}")
+  # Same algorithm under both APIs (loose: they may fuse float ops differently).
+  for name in ("w", "b"):
+    np.testing.assert_allclose(np.asarray(pmap_params[name])[0], np.asarray(params[name]),
+                               rtol=1e-4, atol=1e-5)
