@@ -14,36 +14,59 @@ The launcher picks a free port on 127.0.0.1 for the coordinator and starts
   ONEBIT_PROCESS_ID           this process's rank, 0 .. N-1
   PYTHONUNBUFFERED            1 (so that output arrives line by line)
 
-in its environment. The script calls :func:`initialize` before any other JAX
-call; it connects the processes (``jax.distributed.initialize`` with those
-values), after which ``jax.devices()`` lists the devices of *all* processes and
-a ``jax.make_mesh((jax.device_count(),), ('data',))`` spans them. On CPU the
-collectives between processes go over TCP through gloo (JAX's default CPU
-collectives), so this is a real multi-process run, not a simulation.
+in its environment (JAX reads no such variables for the process count and rank,
+hence our own names). The script calls :func:`initialize` before any other JAX
+call; it connects the processes, after which ``jax.devices()`` lists the
+devices of *all* processes. On CPU the collectives between processes go over
+TCP through gloo (JAX's default CPU collectives): a real multi-process run, not
+a simulation. The script is the single-process recipe with two changes, the
+call to :func:`initialize` and per-process data::
+
+  from onebit_optax import launch
+  launch.initialize()
+  mesh = jax.make_mesh((jax.device_count(),), ('data',))   # all processes' devices
+  data = NamedSharding(mesh, P('data'))
+  params = jax.device_put(params, NamedSharding(mesh, P()))  # same values everywhere
+  opt_state = onebit_optax.init_sharded(tx, params, mesh)
+  ...
+  # Each process passes only its own rows of the global batch:
+  x = jax.make_array_from_process_local_data(data, local_x, global_shape)
+
+Replicated results (params, loss) are read with ``a.addressable_data(0)``.
 
 Each line a process prints is forwarded with a ``[rank i]`` prefix (stdout to
 stdout, stderr to stderr). If one process fails, the launcher stops the others
-at once and exits with the failed process's code, because the survivors would
-otherwise wait in their next collective until a timeout. Ctrl-C (or SIGTERM)
-stops all processes. Each process also gets SIGKILL if the launcher itself dies,
-so no orphan is left behind.
+at once (they would otherwise wait in their next collective until a timeout)
+and exits with the failed process's code. Ctrl-C (or SIGTERM) stops all
+processes; every process also dies with the launcher if it is killed, so no
+orphan is left behind.
 
-The launcher is for one machine (tests, CPU benchmarks, a workstation with
-several GPUs). On a cluster, start the *same script* with the cluster's own
-launcher, one process per host (or per GPU): ``srun`` under SLURM, ``mpirun``
-with Open MPI, the TPU VM runtime on a Cloud TPU pod, or an indexed Kubernetes
-job. Outside this launcher, :func:`initialize` calls
-``jax.distributed.initialize()`` without arguments, and JAX detects the
-coordinator, the process count and the rank from those environments. The
-training step does not change: the mesh covers all devices of all hosts and
-1-bit Adam's collectives cross hosts over NCCL (GPU) or ICI/DCN (TPU).
+Multi-host: the launcher is for one machine (tests, CPU benchmarks, a
+workstation). On a cluster, start the *same script* with the cluster's own
+launcher: ``srun`` under SLURM (one task per GPU: JAX then gives each process
+its GPU), ``mpirun`` with Open MPI, every worker of a Cloud TPU pod slice, or
+an indexed Kubernetes job. There :func:`initialize` calls
+``jax.distributed.initialize()`` without arguments and JAX detects the
+coordinator, the process count and the rank itself. The training step does not
+change: the mesh covers all devices of all hosts, and 1-bit Adam's collectives
+cross hosts over NCCL (GPU) or the TPU interconnect.
+
+Known limits on CPU (jax 0.10.2): the first collective over a set of devices
+sets up a gloo context, and a process that arrives there more than 30 s after
+another makes it fail (no setting changes this); do slow per-process setup
+(data loading) before the first collective or on every process alike. Later
+collectives wait as long as needed. ``jax.device_put`` of a host array onto a
+mesh that spans processes checks that all processes pass the same value by
+comparing the host array with the gathered device copies, so a float64 numpy
+array (stored as float32 on the devices) fails that check with "not the same
+on each process": cast host arrays to float32 first.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -51,6 +74,8 @@ import sys
 import threading
 import time
 from typing import IO, Optional, Sequence
+
+import jax
 
 __all__ = ["initialize", "main", "COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID"]
 
@@ -96,8 +121,6 @@ def initialize(*, fail_fast: bool = True, **kwargs) -> None:
     >>> launch.NUM_PROCESSES in os.environ  # not started by the launcher here
     False
   """
-  import jax  # pylint: disable=g-import-not-at-top
-
   address = os.environ.get(COORDINATOR_ADDRESS)
   if address is None:
     jax.distributed.initialize(**kwargs)
@@ -170,14 +193,20 @@ def _rank_environ(args, rank: int, address: str) -> dict[str, str]:
 
 
 def _child_setup(cpus: Optional[list[int]]):
-  """Runs in the child between fork and exec."""
+  """The function run in each rank between fork and exec (resolved before the fork)."""
+  prctl = None
+  if sys.platform.startswith("linux"):
+    try:
+      prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+      pass
+  launcher = os.getpid()
+
   def setup():
-    if sys.platform.startswith("linux"):
-      try:  # Die with the launcher, even if it is SIGKILLed (PR_SET_PDEATHSIG = 1).
-        import ctypes  # pylint: disable=g-import-not-at-top
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-      except (OSError, AttributeError):
-        pass
+    if prctl is not None:
+      prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the launcher, even on SIGKILL
+      if os.getppid() != launcher:  # it died before the line above took effect
+        os._exit(1)
     if cpus:
       os.sched_setaffinity(0, cpus)
   return setup
@@ -320,8 +349,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = _exit_code(returncode)
         for t in threads[rank]:
           t.join(timeout=1.0)  # its last words (the traceback) before ours
-        print(f"[launch] rank {rank} exited with code {returncode}; stopping the other "
-              "ranks.", file=sys.stderr, flush=True)
+        how = (f"was killed by {signal.Signals(-returncode).name}" if returncode < 0
+               else f"exited with code {returncode}")
+        print(f"[launch] rank {rank} {how}; stopping the other ranks.", file=sys.stderr,
+              flush=True)
         # The others are (or soon will be) blocked in a collective waiting for
         # the dead rank: nothing is gained by waiting for them.
         grace = 0.0

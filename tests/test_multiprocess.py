@@ -120,7 +120,8 @@ def test_training_is_identical_across_processes_and_to_one_process(nproc, tmp_pa
 def test_failing_rank_stops_the_launcher_promptly(tmp_path):
   """Rank 1 raises after connecting; rank 0 is blocked in a collective waiting for it."""
   start = time.time()
-  proc = _run(LAUNCH + ["--nproc", "2", "--timeout", str(TIMEOUT - 30), FAIL_SCRIPT,
+  proc = _run(LAUNCH + ["--nproc", "2", "--devices-per-process", "1", "--timeout",
+                        str(TIMEOUT - 30), FAIL_SCRIPT,
                         "--out", str(tmp_path)])
   end = time.time()
   assert proc.returncode == 1, proc.stdout + proc.stderr
