@@ -2,6 +2,9 @@
 
 from onebit_optax._accumulate import accumulate_gradients
 from onebit_optax._accumulate import clip_by_global_norm
+from onebit_optax._checkpoint import abstract_state
+from onebit_optax._checkpoint import restore_checkpoint
+from onebit_optax._checkpoint import save_checkpoint
 from onebit_optax._collective import allreduce_wire_bytes
 from onebit_optax._collective import compressed_mean
 from onebit_optax._collective import compressed_wire_bytes
@@ -27,6 +30,7 @@ from onebit_optax._sharding import state_partition_specs
 __version__ = "0.1.0"
 
 __all__ = (
+    "abstract_state",
     "accumulate_gradients",
     "clip_by_global_norm",
     "allreduce_wire_bytes",
@@ -40,6 +44,8 @@ __all__ = (
     "local_params",
     "onebit_adam",
     "padded_size",
+    "restore_checkpoint",
+    "save_checkpoint",
     "scale_by_onebit_adam",
     "ScaleByOnebitAdamState",
     "sign_compress",

@@ -1,0 +1,214 @@
+"""The training run of tests/test_checkpoint.py, and its subprocess entry points.
+
+Imported by the test (one process, 8 simulated devices) and run as a script:
+
+* ``resize``: restores a checkpoint saved on 8 devices onto this process's
+  devices (4, set by the test through XLA_FLAGS) and trains on, next to a
+  reference state built by hand (``init_sharded`` on 4 devices, with the saved
+  values of every field but the error buffers written in, read from
+  ``--out/saved_<step>.npz``). Writes ``resize_<step>.npz`` and
+  ``resize_<step>.json`` to ``--out``.
+* ``mp``: one rank of a multi-process run (``python -m onebit_optax.launch``):
+  trains from scratch or restores ``--ckpt``, may save at ``--save-at`` and then
+  SIGKILL itself (a crash right after the checkpoint), and writes what this
+  process holds of the final params and state to ``--out/final_<rank>.npz``.
+
+Every process sees the same global batches and takes its own rows of them
+(``jax.make_array_from_process_local_data``), as a per-host data loader would.
+"""
+
+import argparse
+import functools
+import json
+import os
+import signal
+import warnings
+
+import jax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import onebit_optax
+from onebit_optax import launch
+
+FEATURES, HIDDEN, ROWS_PER_DEVICE = 6, 7, 4
+STEPS = 12
+# Freeze by the variance ratio (checked every 2 steps, first possible at step 6):
+# a restore in warmup must carry reference_l1 / variance_ratio over for the
+# freeze to happen at the same step.
+FREEZE = dict(min_steps=6, interval=2, threshold=0.5)
+WARMUP_SAVE, COMPRESSION_SAVE = 5, 9
+
+
+def make_tx():
+  return onebit_optax.onebit_adam(
+      3e-2, axis_name="data", freeze=onebit_optax.variance_ratio_freeze(**FREEZE))
+
+
+def init_params():
+  rng = np.random.default_rng(0)
+  return {
+      "w1": (rng.standard_normal((FEATURES, HIDDEN)) / np.sqrt(FEATURES)).astype(np.float32),
+      "b1": np.zeros((HIDDEN,), np.float32),
+      "w2": (rng.standard_normal((HIDDEN, 1)) / np.sqrt(HIDDEN)).astype(np.float32),
+  }
+
+
+def loss_fn(params, x, y):
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  return jnp.mean((h @ params["w2"] - y) ** 2)
+
+
+def global_batch(step, num_devices):
+  rng = np.random.default_rng(1000 + step)
+  n = num_devices * ROWS_PER_DEVICE
+  x = rng.standard_normal((n, FEATURES)).astype(np.float32)
+  # A per-row offset makes every device's gradient (and momentum) different.
+  y = np.sin(x.sum(axis=1, keepdims=True)) + np.arange(n, dtype=np.float32)[:, None] / n
+  return x, y.astype(np.float32)
+
+
+def make_step(tx, mesh, opt_state):
+  specs = onebit_optax.state_partition_specs(opt_state, "data")
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                     out_specs=(P(), specs, P()))
+  def step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(onebit_optax.local_params(params, "data"), x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+  return step
+
+
+def put_batch(mesh, t):
+  """Step ``t``'s batch, each process contributing its own (contiguous) rows."""
+  sharding = NamedSharding(mesh, P("data"))
+  x, y = global_batch(t, mesh.size)
+  starts = sorted({idx[0].start or 0
+                   for idx in sharding.addressable_devices_indices_map(x.shape).values()})
+  rows = slice(starts[0], starts[-1] + ROWS_PER_DEVICE)
+  return tuple(jax.make_array_from_process_local_data(sharding, a[rows], a.shape)
+               for a in (x, y))
+
+
+def train(step_fn, mesh, params, opt_state, start, stop, on_step=None):
+  """Steps ``start + 1 .. stop`` (1-based: the state after step t has count t)."""
+  losses = []
+  for t in range(start + 1, stop + 1):
+    params, opt_state, loss = step_fn(params, opt_state, *put_batch(mesh, t))
+    losses.append(float(np.asarray(loss.addressable_shards[0].data)))
+    if on_step is not None:
+      on_step(t, params, opt_state)
+  return params, opt_state, losses
+
+
+def local_leaves(tree):
+  """Every leaf by key path: all of it, or this process's first shard if not addressable."""
+  def value(leaf):
+    if leaf.is_fully_addressable:
+      return np.asarray(leaf)
+    return np.asarray(leaf.addressable_shards[0].data)
+  return {jax.tree_util.keystr(path): value(leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _resize(args, step, mesh, tx, step_fns):
+  template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init_params())
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    params, opt_state, step = onebit_optax.restore_checkpoint(
+        args.ckpt, tx, template, mesh, step=step)
+  messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+  # The reference: a fresh 4-device state with every saved field but the error
+  # buffers written in by hand, from the values the 8-device run held.
+  with np.load(os.path.join(args.out, f"saved_{step}.npz")) as f:
+    saved = {k: f[k] for k in f.files}
+  ref_params = jax.device_put(
+      {name: saved[f"params['{name}']"] for name in init_params()}, NamedSharding(mesh, P()))
+  ref_state = onebit_optax.init_sharded(tx, ref_params, mesh)
+
+  def fill(path, leaf):
+    key = jax.tree_util.keystr(path)
+    if key.endswith("_error"):
+      return leaf
+    return jax.device_put(saved["opt_state" + key], leaf.sharding)
+  ref_state = jax.tree_util.tree_map_with_path(fill, ref_state)
+
+  restored = {f"restored_opt_state{k}": v for k, v in local_leaves(opt_state).items()}
+  restored.update({f"restored_params{k}": v for k, v in local_leaves(params).items()})
+  if not step_fns:  # one compilation for both restores
+    step_fns.append(make_step(tx, mesh, opt_state))
+  step_fn = step_fns[0]
+  stop = step + args.more_steps
+  params, opt_state, losses = train(step_fn, mesh, params, opt_state, step, stop)
+  ref_params, ref_state, ref_losses = train(step_fn, mesh, ref_params, ref_state, step, stop)
+
+  out = dict(restored)
+  out.update({f"final_params{k}": v for k, v in local_leaves(params).items()})
+  out.update({f"final_opt_state{k}": v for k, v in local_leaves(opt_state).items()})
+  out.update({f"ref_params{k}": v for k, v in local_leaves(ref_params).items()})
+  out.update({f"ref_opt_state{k}": v for k, v in local_leaves(ref_state).items()})
+  np.savez(os.path.join(args.out, f"resize_{step}.npz"), **out)
+  with open(os.path.join(args.out, f"resize_{step}.json"), "w") as f:
+    json.dump({"step": step, "warnings": messages, "device_count": jax.device_count(),
+               "losses": losses, "ref_losses": ref_losses}, f)
+
+
+def _mp(args):
+  launch.initialize(initialization_timeout=60)
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  tx = make_tx()
+  if args.resume:
+    template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init_params())
+    params, opt_state, start = onebit_optax.restore_checkpoint(args.ckpt, tx, template, mesh)
+  else:
+    params = jax.device_put(init_params(), NamedSharding(mesh, P()))
+    opt_state = onebit_optax.init_sharded(tx, params, mesh)
+    start = 0
+  step_fn = make_step(tx, mesh, opt_state)
+
+  def on_step(t, params, opt_state):
+    if t == args.save_at:
+      onebit_optax.save_checkpoint(args.ckpt, t, params, opt_state)
+      # Crash once every process has returned from its save: the checkpoint
+      # must already be complete on disk.
+      multihost_utils.sync_global_devices("saved")
+      print(f"saved step {t}; frozen={bool(local_leaves(opt_state)['[0].frozen'])}",
+            flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  params, opt_state, losses = train(step_fn, mesh, params, opt_state, start, args.steps,
+                                    on_step)
+  out = {f"params{k}": v for k, v in local_leaves(params).items()}
+  out.update({f"opt_state{k}": v for k, v in local_leaves(opt_state).items()})
+  np.savez(os.path.join(args.out, f"final_{jax.process_index()}.npz"), **out)
+  print(f"done from step {start}: losses {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("mode", choices=["resize", "mp"])
+  parser.add_argument("--ckpt", required=True)
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--step", type=int, nargs="+", help="resize: the steps to restore")
+  parser.add_argument("--more-steps", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=STEPS)
+  parser.add_argument("--save-at", type=int, default=-1)
+  parser.add_argument("--resume", action="store_true")
+  args = parser.parse_args()
+  if args.mode == "resize":
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    tx, step_fns = make_tx(), []
+    for step in args.step:
+      _resize(args, step, mesh, tx, step_fns)
+  else:
+    _mp(args)
+
+
+if __name__ == "__main__":
+  main()
