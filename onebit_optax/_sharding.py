@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Hashable
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from onebit_optax import _collective
@@ -119,5 +120,11 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
   abstract = jax.eval_shape(
       jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False), params)
   specs = state_partition_specs(abstract, axis_name)
+  # Host arrays are cast to their JAX dtype first: on a multi-process mesh,
+  # device_put checks that every process passed the same value by comparing the
+  # host array with the device copies, which fails for float64 numpy with x64 off.
+  params = jax.tree.map(
+      lambda x: np.asarray(x, jax.dtypes.canonicalize_dtype(np.asarray(x).dtype))
+      if isinstance(x, (np.ndarray, np.generic, float, int)) else x, params)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   return jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
