@@ -55,6 +55,9 @@ def sign_compress(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   The scale is the root mean square of ``x`` (DeepSpeed's definition), so that
   ``C(x)`` has the same :math:`\ell_2` norm as ``x``. The sign of ``0`` (and of
   ``-0.0``) is ``+1``. A NaN element encodes as ``-1`` and makes the scale NaN.
+  XLA on CPU flushes subnormals to zero, so there a negative subnormal also
+  encodes as ``+1`` (the error feedback uses the same comparison, so the result
+  stays consistent).
 
   Args:
     x: array of any shape; it is flattened (row-major) and cast to float32.
