@@ -1,0 +1,249 @@
+"""A NaN or Inf on ONE device: all 8 devices skip the step together, and the skip is a no-op.
+
+The danger on a data-parallel mesh is not the NaN itself but a *disagreement*:
+a predicate computed from one device's local gradient (as in
+``optax.apply_if_finite``) sends that device down a ``lax.cond`` branch the
+others do not take, and the collectives inside deadlock. 1-bit Adam reads the
+predicate off the replicated mean (warmup: the pmean'd gradient; compression:
+the compressed mean momentum), which every device's gradient reaches.
+
+Each scenario poisons one element of device 5's gradient at step ``k`` and
+compares, bitwise on every device's own copy, with a run that never saw that
+batch: the skipped step must change nothing but ``skipped_steps`` (and the
+``wire_bytes`` report: the collectives did run), the parameters must not move,
+and every later step must be bit-for-bit the run without the bad batch.
+
+A hang would not raise: it would block in the collective rendezvous. The
+module therefore runs under pytest-timeout's *thread* method, which dumps the
+stacks and ends the session (the signal method cannot interrupt a thread
+waiting inside XLA). The limit is generous because the machine is shared.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import onebit_optax
+
+pytestmark = pytest.mark.timeout(300, method="thread")
+
+N = 8
+BAD_DEVICE = 5
+FEATURES, OUTPUTS, LOCAL_BATCH = 12, 3, 4
+SIZE = FEATURES * OUTPUTS + OUTPUTS
+FREEZE_AT = 4  # steps 1..4 warmup (step 4 freezes), 5.. compression
+NUM_BATCHES = 10
+LR = 0.05
+# Collectives are placed by the HLO passes; fast code generation only changes the
+# arithmetic kernels, and the comparisons below are between runs of one executable.
+FAST_CODEGEN = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _loss(params, x, y):
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((N,), ("data",))
+
+
+@pytest.fixture(scope="module")
+def problem(mesh):
+  rng = np.random.default_rng(0)
+  params = {"w": (0.3 * rng.standard_normal((FEATURES, OUTPUTS))).astype(np.float32),
+            "b": np.zeros((OUTPUTS,), np.float32)}
+  w_true = rng.standard_normal((N, FEATURES, OUTPUTS))  # a different optimum per device
+  batches = []
+  for _ in range(NUM_BATCHES):
+    x = rng.standard_normal((N, LOCAL_BATCH, FEATURES)).astype(np.float32)
+    y = np.einsum("dbf,dfo->dbo", x, w_true).astype(np.float32)
+    batches.append(tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y)))
+  return params, batches
+
+
+class _Trainer:
+  """One compiled shard_map step with a per-device additive 'poison' on g['w'][0, 0]."""
+
+  def __init__(self, mesh, params, **tx_kwargs):
+    self.mesh = mesh
+    self.tx = onebit_optax.onebit_adam(LR, axis_name="data", freeze=FREEZE_AT, **tx_kwargs)
+    self.params0 = jax.device_put(params, NamedSharding(mesh, P()))
+    self.state0 = onebit_optax.init_sharded(self.tx, self.params0, mesh)
+    specs = onebit_optax.state_partition_specs(self.state0, "data")
+    tx = self.tx
+
+    @functools.partial(jax.shard_map, mesh=mesh,
+                       in_specs=(P(), specs, P("data"), P("data"), P("data")),
+                       out_specs=(P(), specs))
+    def step(params, opt_state, x, y, poison):
+      grads = jax.grad(_loss)(onebit_optax.local_params(params, "data"), x[0], y[0])
+      # Adding 0.0 elsewhere keeps the clean runs identical to an unpoisoned step
+      # (up to the sign of an exact zero, which both runs share).
+      grads = {**grads, "w": grads["w"].at[0, 0].add(poison[0])}
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    self.clean = jax.device_put(np.zeros(N, np.float32), NamedSharding(mesh, P("data")))
+    self._step_fn = jax.jit(step)
+    self._compiled = None
+
+  def poison(self, value):
+    p = np.zeros(N, np.float32)
+    p[BAD_DEVICE] = value
+    return jax.device_put(p, NamedSharding(self.mesh, P("data")))
+
+  def step(self, params, state, batch, poison=None):
+    poison = self.clean if poison is None else poison
+    if self._compiled is None:
+      self._compiled = self._step_fn.lower(params, state, *batch, poison).compile(FAST_CODEGEN)
+    return self._compiled(params, state, *batch, poison)
+
+  def run(self, batches, bad_at=None, bad_value=None):
+    """Snapshots (host copies of every device's buffers) after each step."""
+    params, state, history = self.params0, self.state0, []
+    for i, batch in enumerate(batches):
+      poison = self.poison(bad_value) if i == bad_at else None
+      params, state = self.step(params, state, batch, poison)
+      history.append((_snapshot(params), _snapshot(state[0])))
+    return history
+
+
+def _snapshot(tree):
+  """Every leaf as the list of each device's own copy (np.asarray shows only device 0's)."""
+  return jax.tree.map(lambda a: [np.asarray(s.data) for s in a.addressable_shards], tree)
+
+
+def _bitwise_equal(a, b):
+  """Equal bit patterns (so NaN == NaN, and -0.0 != 0.0)."""
+  a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+  return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _assert_same(snap_a, snap_b, what, ignore=()):
+  for field in snap_a._fields if hasattr(snap_a, "_fields") else [None]:
+    if field in ignore:
+      continue
+    a = getattr(snap_a, field) if field else snap_a
+    b = getattr(snap_b, field) if field else snap_b
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b), (what, field)
+    for i, (x, y) in enumerate(zip(leaves_a, leaves_b)):
+      assert _bitwise_equal(x, y), f"{what}: field {field} leaf {i} differs"
+
+
+def _assert_replicas_agree(snap, what):
+  """A replicated value must be bitwise the same on all 8 devices."""
+  for field in ("count", "mu", "nu", "frozen", "freeze_step", "variance_ratio",
+                "reference_l1", "wire_bytes", "skipped_steps"):
+    for leaf in jax.tree.leaves(getattr(snap, field), is_leaf=lambda x: isinstance(x, list)):
+      assert len(leaf) == N
+      assert all(_bitwise_equal(c, leaf[0]) for c in leaf), f"{what}: {field} differs by device"
+
+
+@pytest.fixture(scope="module")
+def trainer(mesh, problem):
+  return _Trainer(mesh, problem[0])
+
+
+SCENARIOS = [
+    ("warmup", 1, np.nan), ("warmup", 1, np.inf),
+    ("freeze_step", FREEZE_AT - 1, np.nan),  # the step that would freeze
+    ("compression", 6, np.nan), ("compression", 6, np.inf), ("compression", 6, -np.inf),
+]
+
+
+@pytest.mark.parametrize("phase, bad_at, value", SCENARIOS,
+                         ids=[f"{p}-{v}" for p, _, v in SCENARIOS])
+def test_one_bad_device_skips_everywhere_and_the_skip_is_a_no_op(
+    problem, trainer, phase, bad_at, value):
+  _, batches = problem
+  bad = trainer.run(batches, bad_at=bad_at, bad_value=value)
+  # The run that never saw batch `bad_at`.
+  without = trainer.run(batches[:bad_at] + batches[bad_at + 1:])
+
+  step = bad_at + 1  # 1-based number of the poisoned call
+  params_before, state_before = bad[bad_at - 1] if bad_at else (
+      _snapshot(trainer.params0), _snapshot(trainer.state0[0]))
+  params_after, state_after = bad[bad_at]
+  assert bool(state_before.frozen[0]) == (phase == "compression"), phase
+
+  # Every device skipped (no hang, and the count agrees everywhere).
+  _assert_replicas_agree(state_after, f"after the bad step {step}")
+  assert all(int(c) == 1 for c in state_after.skipped_steps)
+  # Nothing moved: parameters and every state field, bitwise on every device,
+  # except the two counters that report the step.
+  _assert_same(params_after, params_before, "params across the skipped step")
+  _assert_same(state_after, state_before, "state across the skipped step",
+               ignore=("skipped_steps", "wire_bytes"))
+  padded = onebit_optax.padded_size(SIZE, N)
+  expected_bytes = (onebit_optax.compressed_wire_bytes(padded, N) if phase == "compression"
+                    else onebit_optax.allreduce_wire_bytes(SIZE, N))
+  assert all(float(b) == expected_bytes for b in state_after.wire_bytes)  # it did communicate
+
+  # Before: identical to the run without the bad batch. After: shifted by one
+  # call, bit for bit, in every field but skipped_steps.
+  for i in range(bad_at):
+    _assert_same(bad[i][0], without[i][0], f"params at step {i + 1}")
+    _assert_same(bad[i][1], without[i][1], f"state at step {i + 1}")
+  for i in range(bad_at + 1, len(bad)):
+    _assert_same(bad[i][0], without[i - 1][0], f"params at call {i + 1}")
+    _assert_same(bad[i][1], without[i - 1][1], f"state at call {i + 1}", ignore=("skipped_steps",))
+    assert all(int(c) == 1 for c in bad[i][1].skipped_steps)
+  final = bad[-1][1]
+  assert all(bool(f) for f in final.frozen)
+  assert all(int(f) == FREEZE_AT for f in final.freeze_step)  # the skip did not shift the freeze
+  assert int(final.count[0]) == NUM_BATCHES - 1
+  # The comparison is not vacuous: training moved the parameters and the
+  # compression phase ran (the per-device worker errors differ).
+  assert not _bitwise_equal(bad[-1][0]["w"][0], np.asarray(problem[0]["w"]))
+  assert not _bitwise_equal(final.worker_error[0], final.worker_error[1])
+
+
+def test_skip_nonfinite_false_propagates_nan(mesh, problem):
+  # Documented: with skip_nonfinite=False a NaN enters the moments, as in optax.adam.
+  # Warmup is elementwise after the pmean, so only the poisoned coordinate turns
+  # NaN; in the compression phase the poisoned device's RMS scale is NaN and it
+  # reaches every server chunk, so the whole momentum and every parameter turn NaN.
+  params0, batches = problem
+  trainer = _Trainer(mesh, params0, skip_nonfinite=False)
+  warm = trainer.run(batches[:3], bad_at=1, bad_value=np.nan)
+  params, state = warm[1]
+  assert int(state.skipped_steps[0]) == 0 and int(state.count[0]) == 2
+  for copy in params["w"]:
+    nan = np.isnan(copy)
+    assert nan[0, 0] and nan.sum() == 1, nan.sum()
+  assert np.isnan(state.mu["w"][0][0, 0]) and np.isnan(state.nu["w"][0][0, 0])
+  assert np.all(np.isfinite(params["b"][0]))
+
+  comp = trainer.run(batches[:8], bad_at=6, bad_value=np.nan)
+  params, state = comp[6]
+  assert int(state.skipped_steps[0]) == 0
+  for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, list)):
+    assert all(np.all(np.isnan(copy)) for copy in leaf)
+  assert all(np.all(np.isnan(copy)) for copy in state.mu["w"])
+  assert np.all(np.isfinite(comp[5][0]["w"][0]))  # the step before was fine
+
+
+def test_axis_name_none_skips_too():
+  # The single-device path takes the same predicate (no collective involved).
+  tx = onebit_optax.onebit_adam(LR, axis_name=None, freeze=2)
+  params = {"w": jnp.ones(5)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  grads = {"w": jnp.arange(5.0)}
+  for _ in range(3):
+    _, state = update(grads, state, params)
+  assert bool(onebit_optax.is_frozen(state))
+  before = state
+  updates, state = update({"w": jnp.array([1.0, np.inf, 0.0, 0.0, 0.0])}, state, params)
+  assert np.all(np.asarray(updates["w"]) == 0)
+  assert int(onebit_optax.skipped_steps(state)) == 1
+  for a, b in zip(jax.tree.leaves(before[0]._replace(skipped_steps=0, wire_bytes=0)),
+                  jax.tree.leaves(state[0]._replace(skipped_steps=0, wire_bytes=0))):
+    assert _bitwise_equal(np.asarray(a), np.asarray(b))
