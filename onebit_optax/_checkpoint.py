@@ -34,7 +34,7 @@ def _orbax():
   return ocp
 
 
-def _open(directory_or_manager):
+def _open(directory_or_manager, *, create: bool):
   """Returns ``(manager, owned)``; a path gets a manager of our own (closed by us)."""
   if all(hasattr(directory_or_manager, a) for a in ("save", "restore", "latest_step")):
     return directory_or_manager, False
@@ -49,7 +49,8 @@ def _open(directory_or_manager):
   path = directory_or_manager
   if not isinstance(path, str):
     path = str(path)
-  return ocp.CheckpointManager(path, item_handlers=handlers), True
+  options = ocp.CheckpointManagerOptions(create=create)
+  return ocp.CheckpointManager(path, options=options, item_handlers=handlers), True
 
 
 def _find(opt_state) -> tuple[tuple, ScaleByOnebitAdamState]:
@@ -189,16 +190,16 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
     >>> params = {'w': jnp.ones(3)}
     >>> state = onebit_optax.init_sharded(tx, params, mesh)
-    >>> directory = tempfile.mkdtemp()
-    >>> onebit_optax.save_checkpoint(directory, 7, params, state)
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   onebit_optax.save_checkpoint(directory, 7, params, state)
+    ...   params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, mesh)
     True
-    >>> params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, mesh)
     >>> step, state[0].worker_error.shape
     (7, (2, 16))
   """
   ocp = _orbax()
   metadata = _metadata(step, params, opt_state)
-  manager, owned = _open(directory_or_manager)
+  manager, owned = _open(directory_or_manager, create=True)
   try:
     saved = manager.save(int(step), args=ocp.args.Composite(**{
         _PARAMS: ocp.args.PyTreeSave(params),
@@ -213,18 +214,31 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
   return bool(saved)
 
 
+def _shape(shape) -> str:
+  return f"({shape[0]},)" if len(shape) == 1 else "(" + ", ".join(map(str, shape)) + ")"
+
+
 def _diff(saved: list, now: list) -> list[str]:
-  saved_map = {path: (tuple(shape), dtype) for path, shape, dtype in saved}
-  now_map = {path: (tuple(shape), dtype) for path, shape, dtype in now}
-  lines = [f"{p}: only in the checkpoint ({s[0]}, {s[1]})"
+  saved_map = {path: (_shape(shape), dtype) for path, shape, dtype in saved}
+  now_map = {path: (_shape(shape), dtype) for path, shape, dtype in now}
+  lines = [f"{p}: only in the checkpoint, {s[0]} {s[1]}"
            for p, s in saved_map.items() if p not in now_map]
-  lines += [f"{p}: not in the checkpoint ({s[0]}, {s[1]})"
+  lines += [f"{p}: not in the checkpoint, {s[0]} {s[1]}"
             for p, s in now_map.items() if p not in saved_map]
   lines += [f"{p}: checkpoint {saved_map[p][0]} {saved_map[p][1]}, now {s[0]} {s[1]}"
             for p, s in now_map.items() if p in saved_map and saved_map[p] != s]
   if len(lines) > _MAX_DIFFS:
     lines = lines[:_MAX_DIFFS] + [f"... and {len(lines) - _MAX_DIFFS} more"]
   return lines
+
+
+def _first_difference(saved: str, now: str, context: int = 70) -> str:
+  """The two tree structures around the first place where they differ."""
+  i = next((i for i, (a, b) in enumerate(zip(saved, now)) if a != b), min(len(saved), len(now)))
+  start = max(0, i - context)
+  cut = lambda s: ("..." if start else "") + s[start:i + context] + (
+      "..." if i + context < len(s) else "")
+  return f"tree structure in the checkpoint: {cut(saved)}\n  tree structure of tx.init now:   {cut(now)}"
 
 
 def _check_compatible(where: str, metadata: dict, params, target) -> None:
@@ -242,12 +256,13 @@ def _check_compatible(where: str, metadata: dict, params, target) -> None:
         "optimizer state (tx.init / init_sharded).")
   error_paths = set(metadata["error_paths"])
   # The error buffers' shapes depend on the device count: compared separately.
-  strip = lambda sig: [[p, s if p not in error_paths else ["devices", "..."], d] for p, s, d in sig]
+  strip = lambda sig: [[p, s if p not in error_paths else ["devices", "..."], d]
+                       for p, s, d in sig]
   lines = _diff(strip(metadata["opt_state"]), strip(_signature(target)))
   treedef = str(jax.tree.structure(target))
   if lines or metadata["opt_state_treedef"] != treedef or set(_error_paths(target)) != error_paths:
-    detail = "\n  ".join(lines) if lines else (
-        f"checkpoint: {metadata['opt_state_treedef']}\n  now:        {treedef}")
+    detail = ("\n  ".join(lines) if lines
+              else _first_difference(metadata["opt_state_treedef"], treedef))
     raise ValueError(
         f"restore_checkpoint: {where} holds the state of another optimizer than `tx` "
         f"(a different optax.chain, transformation or dtype):\n  {detail}\nBuild tx as "
@@ -299,15 +314,15 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data', freeze=1)
     >>> params = {'w': jnp.ones(3)}
     >>> state = onebit_optax.init_sharded(tx, params, jax.make_mesh((2,), ('data',)))
-    >>> directory = tempfile.mkdtemp()
-    >>> _ = onebit_optax.save_checkpoint(directory, 3, params, state)
     >>> new_mesh = jax.make_mesh((4,), ('data',))  # a restart on 4 devices
-    >>> params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, new_mesh)
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...   _ = onebit_optax.save_checkpoint(directory, 3, params, state)
+    ...   params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, new_mesh)
     >>> state[0].worker_error.shape  # reset for 4 devices (no warning: still warmup)
     (4, 32)
   """
   ocp = _orbax()
-  manager, owned = _open(directory_or_manager)
+  manager, owned = _open(directory_or_manager, create=False)  # reading creates nothing
   try:
     where = f"the checkpoint in {manager.directory}"
     if step is None:

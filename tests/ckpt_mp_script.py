@@ -12,6 +12,8 @@ Imported by the test (one process, 8 simulated devices) and run as a script:
   trains from scratch or restores ``--ckpt``, may save at ``--save-at`` and then
   SIGKILL itself (a crash right after the checkpoint), and writes what this
   process holds of the final params and state to ``--out/final_<rank>.npz``.
+  With ``--with-reference`` it first trains from scratch without interruption
+  and writes that run's result to ``--out/reference_<rank>.npz``.
 
 Every process sees the same global batches and takes its own rows of them
 (``jax.make_array_from_process_local_data``), as a per-host data loader would.
@@ -159,11 +161,10 @@ def _resize(args, step, mesh, tx, step_fns):
                "losses": losses, "ref_losses": ref_losses}, f)
 
 
-def _mp(args):
-  launch.initialize(initialization_timeout=60)
+def _mp_run(args, resume):
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   tx = make_tx()
-  if args.resume:
+  if resume:
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init_params())
     params, opt_state, start = onebit_optax.restore_checkpoint(args.ckpt, tx, template, mesh)
   else:
@@ -184,10 +185,18 @@ def _mp(args):
 
   params, opt_state, losses = train(step_fn, mesh, params, opt_state, start, args.steps,
                                     on_step)
-  out = {f"params{k}": v for k, v in local_leaves(params).items()}
-  out.update({f"opt_state{k}": v for k, v in local_leaves(opt_state).items()})
-  np.savez(os.path.join(args.out, f"final_{jax.process_index()}.npz"), **out)
   print(f"done from step {start}: losses {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+  return {**{f"params{k}": v for k, v in local_leaves(params).items()},
+          **{f"opt_state{k}": v for k, v in local_leaves(opt_state).items()}}
+
+
+def _mp(args):
+  launch.initialize(initialization_timeout=60)
+  rank = jax.process_index()
+  if args.with_reference:  # the uninterrupted run, from scratch, in these processes
+    np.savez(os.path.join(args.out, f"reference_{rank}.npz"), **_mp_run(args, resume=False))
+  # Everything rebuilt for the run that is measured (optimizer, step function).
+  np.savez(os.path.join(args.out, f"final_{rank}.npz"), **_mp_run(args, resume=args.resume))
 
 
 def main():
@@ -200,6 +209,8 @@ def main():
   parser.add_argument("--steps", type=int, default=STEPS)
   parser.add_argument("--save-at", type=int, default=-1)
   parser.add_argument("--resume", action="store_true")
+  parser.add_argument("--with-reference", action="store_true",
+                      help="mp: first run the whole training uninterrupted, for comparison")
   args = parser.parse_args()
   if args.mode == "resize":
     mesh = jax.make_mesh((jax.device_count(),), ("data",))

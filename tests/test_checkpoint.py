@@ -165,6 +165,7 @@ def test_missing_steps_and_foreign_checkpoints_are_refused(uninterrupted, tmp_pa
     _restore(uninterrupted[0], step=4)
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
     _restore(str(tmp_path / "empty"))
+  assert not (tmp_path / "empty").exists()  # a restore creates nothing
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   with ocp.CheckpointManager(str(tmp_path / "plain")) as manager:
     manager.save(1, args=ocp.args.Composite(params=ocp.args.PyTreeSave(run.init_params())))
@@ -203,6 +204,18 @@ def test_single_device_round_trip_and_restore_from_8_devices(uninterrupted, tmp_
   onebit_optax.save_checkpoint(str(tmp_path), 4, params, state)
   new_params, new_state, _ = onebit_optax.restore_checkpoint(
       str(tmp_path), tx, jnp.zeros(5), mesh=None)
+  _assert_bitwise(_leaves("", (new_params, new_state)), _leaves("", (params, state)))
+
+  # Through the user's own CheckpointManager (its options apply: keep the last one).
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  options = ocp.CheckpointManagerOptions(max_to_keep=1)
+  with ocp.CheckpointManager(str(tmp_path / "managed"), options=options) as manager:
+    for step in (1, 2):
+      assert onebit_optax.save_checkpoint(manager, step, params, state)
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2]
+    new_params, new_state, step = onebit_optax.restore_checkpoint(manager, tx, params)
+  assert step == 2
   _assert_bitwise(_leaves("", (new_params, new_state)), _leaves("", (params, state)))
 
   # The 8-device compression checkpoint on one device: errors reset, with a warning.
@@ -274,39 +287,23 @@ def test_two_processes_resume_bitwise_after_a_kill(tmp_path):
             "--devices-per-process", "1", "--timeout", str(TIMEOUT - 30), SCRIPT, "mp"]
   ckpt = str(tmp_path / "ckpt")
 
-  def start(name, *args):
+  def launch_run(name, *args):
     out = tmp_path / name
     out.mkdir()
-    proc = subprocess.Popen(launch + ["--ckpt", ckpt, "--out", str(out), *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
-    return proc, out
+    proc = subprocess.run(launch + ["--ckpt", ckpt, "--out", str(out), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    return proc.returncode, proc.stdout + proc.stderr, out
 
-  def finish(proc):
-    try:
-      stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      stdout, stderr = proc.communicate()
-    return proc.returncode, stdout + stderr
-
-  # The uninterrupted run goes alongside the other two (it writes no checkpoint).
-  whole, whole_out = start("whole")
-  try:
-    crashed, _ = start("crashed", "--save-at", str(run.COMPRESSION_SAVE))
-    code, output = finish(crashed)
-    assert code == 128 + 9, output  # the launcher's code for a SIGKILLed rank
-    assert "saved step 9; frozen=True" in output, output
-    resumed, resumed_out = start("resumed", "--resume")
-    code, output = finish(resumed)
-    assert code == 0, output
-    assert "[rank 1] done from step 9" in output, output
-  finally:
-    code, output = finish(whole)
+  code, output, _ = launch_run("crashed", "--save-at", str(run.COMPRESSION_SAVE))
+  assert code == 128 + 9, output  # the launcher's code for a SIGKILLed rank
+  assert "saved step 9; frozen=True" in output, output
+  # New processes: first the uninterrupted reference run, then the restored one.
+  code, output, out = launch_run("resumed", "--resume", "--with-reference")
   assert code == 0, output
+  assert "[rank 1] done from step 0" in output and "[rank 1] done from step 9" in output, output
 
   for rank in range(2):
-    with np.load(resumed_out / f"final_{rank}.npz") as a, np.load(whole_out / f"final_{rank}.npz") as b:
+    with np.load(out / f"final_{rank}.npz") as a, np.load(out / f"reference_{rank}.npz") as b:
       got, want = {k: a[k] for k in a.files}, {k: b[k] for k in b.files}
     _assert_bitwise(got, want)
     assert want["opt_state[0].count"] == run.STEPS
