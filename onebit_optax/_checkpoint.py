@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Hashable, Optional
+from typing import Hashable, Optional
 
 import jax
 import jax.numpy as jnp
