@@ -1,0 +1,419 @@
+#!/usr/bin/env python3
+"""Adam vs 1-bit Adam, data-parallel on simulated CPU devices, on a real text corpus.
+
+    python3 dev.py demo                       # both optimizers, 8 devices, defaults
+    python3 dev.py demo --optimizer onebit --steps 600 --freeze-step 100
+
+The model is a small character-level language model (a Bengio-style MLP over
+the previous ``--context`` characters) trained on CPython's own documentation
+(``pydoc_data.topics``, ~465 kB of English prose that ships with Python, so
+nothing is downloaded). The first 90% of the text is the training split, the
+last 10% the validation split.
+
+Both optimizers see exactly the same batches, initial parameters and
+learning-rate schedule, and run the same ``jax.shard_map`` step over a 1-D
+``'data'`` mesh: every device computes the gradient of its shard of the batch.
+
+* Adam averages the local gradients with a float32 all-reduce (``pmean``) on
+  every step, then applies ``optax.adam``.
+* 1-bit Adam gets the *local* gradients and does the communication itself:
+  a full-precision all-reduce while it warms up, then, once the variance is
+  frozen, only the 1-bit signs of the momentum (plus one scale per chunk).
+
+The devices are simulated (``--xla_force_host_platform_device_count``), so the
+wall time says nothing about a network; the bytes are what each device would
+put on the wire (ring model for the all-reduce), read from the optimizer state
+every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import sys
+import time
+
+
+def _parse_args(argv):
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n\n", 1)[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--devices", type=int, default=8,
+                      help="size of the data-parallel mesh (simulated CPU devices)")
+  parser.add_argument("--optimizer", choices=("both", "adam", "onebit"), default="both")
+  parser.add_argument("--steps", type=int, default=1000, help="training steps per optimizer")
+  parser.add_argument("--batch", type=int, default=256,
+                      help="global batch (windows per step), split over the devices")
+  parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+  parser.add_argument("--lr-warmup", type=int, default=None,
+                      help="linear LR warmup steps (default: 5%% of --steps)")
+  parser.add_argument("--freeze-step", type=int, default=None,
+                      help="freeze the variance after exactly this step instead of using "
+                      "the variance-ratio policy")
+  parser.add_argument("--freeze-interval", type=int, default=None,
+                      help="variance-ratio check interval (default: --steps // 20)")
+  parser.add_argument("--context", type=int, default=16, help="characters of context")
+  parser.add_argument("--hidden", type=int, default=256, help="width of the hidden layers")
+  parser.add_argument("--log-every", type=int, default=10,
+                      help="steps between progress-bar refreshes (each one waits for the device)")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  if args.devices < 1 or args.steps < 1:
+    parser.error("--devices and --steps must be positive")
+  if args.batch % args.devices:
+    parser.error(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
+  if args.freeze_step is not None and args.freeze_step < 1:
+    parser.error("--freeze-step must be >= 1")
+  return args
+
+
+def _simulate_cpu_devices(count: int) -> None:
+  """Asks XLA for ``count`` host devices; must run before jax is imported.
+
+  An XLA_FLAGS that already sets the device count wins (the caller knows
+  better, e.g. the test suite's conftest); ``main`` then checks that there are
+  enough devices for ``--devices``.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "--xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={count}".strip())
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# The device count is fixed when jax initialises its backend, so the flag must be
+# set before the first `import jax`, hence the imports below the argument parsing.
+if __name__ == "__main__":
+  _simulate_cpu_devices(_parse_args(sys.argv[1:]).devices)
+
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import onebit_optax  # noqa: E402
+
+AXIS = "data"
+# How many steps the host may queue ahead of the devices. Some lookahead hides
+# the Python loop behind the computation, but not much: XLA's CPU runtime
+# launches every device's program from one shared pool of (here) one thread per
+# device, and with dozens of queued steps a launch blocked on the per-device
+# in-flight limit can hold a pool thread while the other devices wait for it in
+# a collective. On these machines that aborted the process after 40 s
+# ("Termination timeout for all reduce") with 50 queued 1-bit steps.
+MAX_IN_FLIGHT = 4
+EVAL_WINDOWS = 8192  # per split, for the final losses and accuracies
+LAST_STEPS = 50  # the table also shows the mean training-batch loss over these
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_corpus(context: int):
+  """Character ids of CPython's pydoc topics, split 90/10 into train and validation.
+
+  The split is contiguous (not random windows) so that no validation window
+  overlaps a training window. The vocabulary is every character of the text
+  (103); a few occur once or twice, so their embedding rows see a gradient on
+  almost no step, which 1-bit Adam's compression must not turn into noise.
+  """
+  import pydoc_data.topics  # pylint: disable=g-import-not-at-top
+
+  text = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+  vocab = sorted(set(text))
+  lookup = {c: i for i, c in enumerate(vocab)}
+  ids = np.fromiter((lookup[c] for c in text), dtype=np.int32, count=len(text))
+  cut = int(0.9 * len(ids))
+  train, val = ids[:cut], ids[cut:]
+  assert len(val) > context + 1
+  return train, val, len(vocab)
+
+
+def windows(ids: np.ndarray, starts: np.ndarray, context: int):
+  """Inputs ``ids[s : s + context]`` and targets ``ids[s + context]`` for each start."""
+  x = ids[starts[:, None] + np.arange(context)]
+  y = ids[starts + context]
+  return x, y
+
+
+def eval_set(ids: np.ndarray, size: int, context: int, seed: int):
+  """A fixed sample of ``size`` windows, the same for every optimizer."""
+  starts = np.random.default_rng(seed).integers(0, len(ids) - context, size=size)
+  return windows(ids, starts, context)
+
+
+# -------------------------------------------------------------------------- model
+
+
+def init_params(key, vocab: int, context: int, hidden: int, embed: int = 16):
+  """An MLP language model: embed each context char, concatenate, 2 hidden layers."""
+  keys = jax.random.split(key, 4)
+
+  def dense(k, fan_in, fan_out):
+    return {"w": jax.random.normal(k, (fan_in, fan_out)) / math.sqrt(fan_in),
+            "b": jnp.zeros((fan_out,))}
+
+  return {
+      "embed": jax.random.normal(keys[0], (vocab, embed)),
+      "h1": dense(keys[1], context * embed, hidden),
+      "h2": dense(keys[2], hidden, hidden),
+      "out": dense(keys[3], hidden, vocab),
+  }
+
+
+def logits_fn(params, x):
+  h = params["embed"][x].reshape(x.shape[0], -1)
+  h = jax.nn.gelu(h @ params["h1"]["w"] + params["h1"]["b"])
+  h = jax.nn.gelu(h @ params["h2"]["w"] + params["h2"]["b"])
+  return h @ params["out"]["w"] + params["out"]["b"]
+
+
+def loss_fn(params, x, y):
+  return optax.softmax_cross_entropy_with_integer_labels(logits_fn(params, x), y).mean()
+
+
+# ----------------------------------------------------------------------- training
+
+
+def make_optimizer(name: str, schedule, args, lr_warmup: int):
+  """Returns ``(tx, freeze_description)``."""
+  if name == "adam":
+    return optax.adam(schedule), "-"
+  if args.freeze_step is not None:
+    freeze = onebit_optax.fixed_step_freeze(args.freeze_step)
+    return (onebit_optax.onebit_adam(schedule, axis_name=AXIS, freeze=freeze),
+            f"fixed: after step {args.freeze_step}")
+  # The policy's default interval is 1/(1-b2) = 1000 steps, the averaging window
+  # of v for b2 = 0.999: right for a long pretraining run, but longer than this
+  # whole demo, so the check would never run. A run of S steps checks every
+  # S/20 steps instead. With bias correction, v_hat_t is close to the plain
+  # average of g^2 over all steps so far (t << 1000), so after k intervals the
+  # ratio is about (k-1)/k + r/k, r being the recent g^2 over the earlier one:
+  # the band check accepts a slowly shrinking gradient once enough history
+  # has built up. The first possible freeze is at t = 2 interval (10% of the
+  # run), and never before the LR warmup is over (min_steps): the variance
+  # seen while the LR ramps up is not the one of the rest of the run.
+  interval = args.freeze_interval or max(1, args.steps // 20)
+  freeze = onebit_optax.variance_ratio_freeze(min_steps=lr_warmup, interval=interval)
+  return (onebit_optax.onebit_adam(schedule, axis_name=AXIS, freeze=freeze),
+          f"variance ratio: every {interval} steps from step "
+          f"{max(lr_warmup, 2 * interval)}, freeze when in [0.96, 1/0.96]")
+
+
+def make_step(tx, mesh, state_specs, onebit: bool, num_params: int):
+  """The jitted data-parallel step: ``(params, state, x, y) -> (params, state, loss, bytes)``."""
+  n = mesh.shape[AXIS]
+  adam_bytes = onebit_optax.allreduce_wire_bytes(num_params, n)
+
+  @jax.jit
+  @functools.partial(
+      jax.shard_map, mesh=mesh,
+      in_specs=(P(), state_specs, P(AXIS), P(AXIS)),
+      out_specs=(P(), state_specs, P(), P()))
+  def step(params, opt_state, x, y):
+    # local_params: without it, grad w.r.t. replicated params would all-reduce
+    # the gradients in the backward pass, before the optimizer sees them.
+    loss, grads = jax.value_and_grad(loss_fn)(onebit_optax.local_params(params, AXIS), x, y)
+    if onebit:
+      updates, opt_state = tx.update(grads, opt_state, params)
+      sent = onebit_optax.wire_bytes(opt_state)
+    else:
+      # Plain data-parallel Adam: one float32 all-reduce of the gradients.
+      grads = jax.lax.pmean(grads, AXIS)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      sent = jnp.float32(adam_bytes)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, jax.lax.pmean(loss, AXIS), sent
+
+  return step
+
+
+def make_eval(mesh):
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
+                     out_specs=(P(), P()))
+  def evaluate(params, x, y):
+    logits = logits_fn(params, x)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
+    return jax.lax.pmean(loss, AXIS), jax.lax.pmean(accuracy, AXIS)
+
+  return evaluate
+
+
+def train(name: str, args, mesh, data, lr_warmup: int):
+  """Trains one optimizer from the shared seed; returns a dict of results."""
+  train_ids, val_ids, vocab = data
+  n = mesh.shape[AXIS]
+  onebit = name == "onebit"
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, args.lr, warmup_steps=lr_warmup, decay_steps=args.steps,
+      end_value=0.05 * args.lr)
+  tx, freeze_desc = make_optimizer(name, schedule, args, lr_warmup)
+
+  replicated = NamedSharding(mesh, P())
+  sharded = NamedSharding(mesh, P(AXIS))
+  params = init_params(jax.random.key(args.seed), vocab, args.context, args.hidden)
+  params = jax.device_put(params, replicated)
+  num_params = sum(p.size for p in jax.tree.leaves(params))
+  # init_sharded runs tx.init inside shard_map: 1-bit Adam needs the mesh size
+  # and one error buffer per device; for optax.adam it simply replicates.
+  opt_state = onebit_optax.init_sharded(tx, params, mesh, AXIS)
+  state_specs = onebit_optax.state_partition_specs(opt_state, AXIS)
+  step = make_step(tx, mesh, state_specs, onebit, num_params)
+
+  batches = np.random.default_rng(args.seed + 1)  # same batches for both optimizers
+  label = "1-bit Adam" if onebit else "Adam"
+  losses, sent = [], []
+  in_flight = collections.deque()
+  start = time.perf_counter()
+  with tqdm(range(1, args.steps + 1), desc=f"{label:>10}", unit="step",
+            dynamic_ncols=True, file=sys.stderr, mininterval=0.5) as bar:
+    for t in bar:
+      starts = batches.integers(0, len(train_ids) - args.context, size=args.batch)
+      x, y = windows(train_ids, starts, args.context)
+      x, y = jax.device_put((x, y), sharded)
+      params, opt_state, loss, wire = step(params, opt_state, x, y)
+      losses.append(loss)
+      sent.append(wire)
+      in_flight.append(loss)
+      if len(in_flight) > MAX_IN_FLIGHT:
+        in_flight.popleft().block_until_ready()
+      if t % args.log_every == 0 or t == args.steps:
+        # Reading a value waits for the device; doing it every step would
+        # serialise the host loop with the computation.
+        postfix = {"loss": f"{float(loss):.3f}"}
+        if onebit:
+          frozen = bool(onebit_optax.is_frozen(opt_state))
+          postfix["phase"] = "compression" if frozen else "warmup"
+          # After the freeze the ratio is no longer measured: this is its value
+          # at the freeze.
+          postfix["var_ratio"] = f"{float(onebit_optax.variance_ratio(opt_state)):.3f}"
+          if frozen:
+            postfix["froze_after"] = int(onebit_optax.freeze_step(opt_state))
+        bar.set_postfix(postfix, refresh=False)
+  jax.block_until_ready(params)
+  seconds = time.perf_counter() - start
+
+  evaluate = make_eval(mesh)
+  metrics = {}
+  for split, ids in (("train", train_ids), ("val", val_ids)):
+    x, y = eval_set(ids, EVAL_WINDOWS, args.context, seed=args.seed + 2)
+    loss, acc = evaluate(params, *jax.device_put((x, y), sharded))
+    metrics[split] = (float(loss), float(acc))
+
+  sent = np.asarray(jax.device_get(sent), dtype=np.float64)
+  losses = np.asarray(jax.device_get(losses))
+  result = {
+      "label": label, "seconds": seconds, "num_params": num_params, "metrics": metrics,
+      "last_train_loss": float(losses[-LAST_STEPS:].mean()), "total_bytes": float(sent.sum()),
+      "freeze": freeze_desc, "froze_at": None, "warmup_bytes": float(sent[0]),
+      "compress_bytes": None,
+  }
+  if onebit:
+    froze_at = int(onebit_optax.freeze_step(opt_state))
+    if bool(onebit_optax.is_frozen(opt_state)):
+      result["froze_at"] = froze_at
+      result["compress_bytes"] = float(sent[froze_at]) if froze_at < args.steps else None
+  return result
+
+
+# ------------------------------------------------------------------------ report
+
+
+def _bytes(x):
+  if x is None:
+    return "-"
+  for unit, size in (("GB", 1e9), ("MB", 1e6)):
+    if x >= size:
+      return f"{x / size:.3f} {unit}"
+  return f"{x / 1e3:.3f} kB"
+
+
+def report(results, args, n):
+  """Prints the side-by-side table."""
+  cols = [r["label"] for r in results]
+  rows = []
+
+  def row(name, *values):
+    rows.append((name, *values))
+
+  row("final train loss", *(f"{r['metrics']['train'][0]:.4f}" for r in results))
+  row("final val loss", *(f"{r['metrics']['val'][0]:.4f}" for r in results))
+  row("final train accuracy", *(f"{r['metrics']['train'][1]:.2%}" for r in results))
+  row("final val accuracy", *(f"{r['metrics']['val'][1]:.2%}" for r in results))
+  row(f"mean batch loss, last {min(LAST_STEPS, args.steps)} steps",
+      *(f"{r['last_train_loss']:.4f}" for r in results))
+
+  def froze(r):
+    if r["label"] == "Adam":
+      return "-"
+    if r["froze_at"] is None:
+      return "never (no compression)"
+    return f"after step {r['froze_at']} ({r['froze_at'] / args.steps:.0%})"
+
+  row("variance froze", *(froze(r) for r in results))
+  row("bytes/device/step, full precision", *(_bytes(r["warmup_bytes"]) for r in results))
+  row("bytes/device/step, 1-bit phase",
+      *("-" if r["label"] == "Adam" else _bytes(r["compress_bytes"]) for r in results))
+  row("bytes/device, whole run", *(_bytes(r["total_bytes"]) for r in results))
+  row("train time (simulated devices)", *(f"{r['seconds']:.1f} s" for r in results))
+
+  width = max(len(r[0]) for r in rows)
+  col_w = [max(len(c), *(len(r[i + 1]) for r in rows)) for i, c in enumerate(cols)]
+  line = lambda cells: "  ".join(  # noqa: E731
+      [cells[0].ljust(width)] + [c.rjust(w) for c, w in zip(cells[1:], col_w)])
+  print()
+  print(f"{results[0]['num_params']:,} parameters, {n} devices, {args.steps} steps, "
+        f"global batch {args.batch} ({args.batch // n} per device); final metrics on "
+        f"{EVAL_WINDOWS} fixed windows per split")
+  for r in results:
+    if r["label"] != "Adam":
+      print(f"{r['label']} freeze policy: {r['freeze']}")
+  print(line(["", *cols]))
+  print(line(["-" * width, *("-" * w for w in col_w)]))
+  for r in rows:
+    print(line(list(r)))
+
+  by_label = {r["label"]: r for r in results}
+  if len(by_label) == 2:
+    adam, onebit = by_label["Adam"], by_label["1-bit Adam"]
+    print()
+    print("bytes sent over the run, Adam / 1-bit Adam: "
+          f"{adam['total_bytes'] / onebit['total_bytes']:.2f}x")
+    if onebit["compress_bytes"]:
+      print(f"bytes per step in the 1-bit phase, Adam / 1-bit Adam: "
+            f"{adam['warmup_bytes'] / onebit['compress_bytes']:.1f}x")
+    diff = onebit["metrics"]["val"][0] - adam["metrics"]["val"][0]
+    print(f"val loss, 1-bit Adam - Adam: {diff:+.4f} nats "
+          f"({diff / adam['metrics']['val'][0]:+.2%})")
+
+
+def main(argv=None) -> int:
+  args = _parse_args(sys.argv[1:] if argv is None else argv)
+  available = len(jax.devices())
+  if available < args.devices:
+    sys.exit(f"--devices {args.devices} but jax sees {available} devices; XLA_FLAGS="
+             f"{os.environ.get('XLA_FLAGS', '')!r} already fixes the count. Unset it or "
+             "pass a matching --devices.")
+  mesh = jax.make_mesh((args.devices,), (AXIS,), devices=jax.devices()[:args.devices])
+  lr_warmup = args.lr_warmup if args.lr_warmup is not None else max(1, args.steps // 20)
+  data = load_corpus(args.context)
+  print(f"pydoc_data.topics: {len(data[0]):,} train / {len(data[1]):,} val characters, "
+        f"vocabulary {data[2]}; LR warmup {lr_warmup} steps then cosine decay; "
+        f"{args.devices} x {jax.devices()[0].platform.upper()} devices", flush=True)
+
+  names = {"both": ("adam", "onebit"), "adam": ("adam",), "onebit": ("onebit",)}[args.optimizer]
+  results = [train(name, args, mesh, data, lr_warmup) for name in names]
+  report(results, args, args.devices)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

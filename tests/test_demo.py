@@ -1,0 +1,72 @@
+"""Smoke test of examples/demo.py: a short run end to end, checked against the byte formulas."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICES, STEPS, FREEZE = 8, 30, 10
+UNITS = {"kB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+@pytest.fixture(scope="module")
+def demo_output():
+  # A subprocess, because the demo fixes the device count before importing jax
+  # (and a fresh process is what `python3 dev.py demo` runs).
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", str(STEPS),
+       "--freeze-step", str(FREEZE), "--devices", str(DEVICES)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  return proc.stdout
+
+
+def _row(output, label):
+  """The cells of the table row starting with ``label`` (split on 2+ spaces)."""
+  for line in output.splitlines():
+    if line.startswith(label):
+      return re.split(r"\s{2,}", line[len(label):].strip())
+  raise AssertionError(f"no row {label!r} in the demo output:\n{output}")
+
+
+def _bytes(cell):
+  value, unit = cell.split()
+  return float(value) * UNITS[unit]
+
+
+def test_table_has_both_optimizers_with_finite_losses(demo_output):
+  header = next(line for line in demo_output.splitlines() if line.strip().startswith("Adam"))
+  assert header.split() == ["Adam", "1-bit", "Adam"]
+  for label in ("final train loss", "final val loss", f"mean batch loss, last {STEPS} steps"):
+    adam, onebit = (float(x) for x in _row(demo_output, label))
+    assert math.isfinite(adam) and math.isfinite(onebit), label
+    # 30 steps must have learned something: uniform over ~100 chars is ln(100) = 4.6.
+    assert adam < 4.0 and onebit < 4.0, (label, adam, onebit)
+  assert _row(demo_output, "variance froze")[1].startswith(f"after step {FREEZE} ")
+
+
+def test_bytes_match_the_ring_and_two_phase_formulas(demo_output):
+  # Independent of onebit_optax: the textbook formulas, from the printed size.
+  num_params = int(re.search(r"^([\d,]+) parameters", demo_output, re.M)[1].replace(",", ""))
+  n = DEVICES
+  allreduce = 2 * (n - 1) / n * num_params * 4  # ring all-reduce of float32
+  padded = -(-num_params // (8 * n)) * (8 * n)
+  onebit = 2 * (n - 1) * (padded / (8 * n) + 4)  # all_to_all + all_gather of packed signs
+
+  full_adam, full_onebit = (
+      _bytes(c) for c in _row(demo_output, "bytes/device/step, full precision"))
+  assert full_adam == pytest.approx(allreduce, rel=1e-3)
+  assert full_onebit == pytest.approx(allreduce, rel=1e-3)
+  assert _bytes(_row(demo_output, "bytes/device/step, 1-bit phase")[1]) == pytest.approx(
+      onebit, rel=1e-3)
+  total_adam, total_onebit = (_bytes(c) for c in _row(demo_output, "bytes/device, whole run"))
+  assert total_adam == pytest.approx(STEPS * allreduce, rel=1e-3)
+  assert total_onebit == pytest.approx(
+      FREEZE * allreduce + (STEPS - FREEZE) * onebit, rel=1e-3)
