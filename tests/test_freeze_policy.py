@@ -161,7 +161,8 @@ def test_variance_ratio_freeze_on_8_devices_all_agree(grads, reference):
       out.append(jax.tree.map(lambda x: x[None], _scan_flags(tx, local_grads[:, 0], params)))
     return out
 
-  results = jax.tree.map(np.asarray, run(jax.device_put(grads, NamedSharding(mesh, P(None, "data")))))
+  sharded = jax.device_put(grads, NamedSharding(mesh, P(None, "data")))
+  results = jax.tree.map(np.asarray, run(sharded))
   for (frozen, step, ratio), expected in zip(results, (early, late)):
     assert frozen.shape == (N, STEPS)
     for device in range(N):  # every device decided the same thing at every step
