@@ -48,7 +48,7 @@ def local_params(params, axis_name: Hashable):
       return x
     try:
       return jax.lax.pcast(x, axis_name, to="varying")
-    except NameError as e:
+    except (NameError, ValueError) as e:  # ValueError: pcast outside shard_map, eagerly
       raise ValueError(
           f"local_params: axis_name={axis_name!r} is not bound; call it inside the "
           "jax.shard_map / jax.pmap that maps the data-parallel axis.") from e

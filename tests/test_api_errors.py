@@ -43,10 +43,6 @@ def test_update_outside_shard_map_says_where_to_call_it():
   _assert_words(excinfo, "'data'", "shard_map", "pmap", "axis_name=None")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "core bug: _sharding.local_params catches NameError, but outside shard_map "
-    "jax.lax.pcast raises ValueError('pvary should be called under jax.shard_map.'), "
-    "so its own message (axis name, pmap) never shows"))
 def test_local_params_outside_shard_map():
   with pytest.raises(ValueError) as excinfo:
     onebit_optax.local_params({"w": jnp.ones(3)}, "data")
