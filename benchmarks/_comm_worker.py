@@ -1,0 +1,264 @@
+"""One rank of benchmarks/comm_throughput.py (started by it; not meant to be run by hand).
+
+Subcommands:
+  rank        train the embedding-heavy model with optax.adam (+ pmean of the
+              gradients), then with onebit_adam (warmup steps, then compression
+              steps), timing each step and reading the interface's byte counters;
+              writes one JSON file per rank.
+  tcp-server  / tcp-client: a plain TCP goodput and round-trip probe, so the
+              alpha-beta model uses the bandwidth the link really gives.
+
+The parent sets XLA_FLAGS (one intra-op thread) and pins the process to a core
+before this module imports JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+_PORT = 5901
+
+
+def _tcp_server(nbytes: int):
+  srv = socket.socket()
+  srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  srv.bind(("0.0.0.0", _PORT))
+  srv.listen(1)
+  srv.settimeout(60)
+  conn, _ = srv.accept()
+  conn.settimeout(60)
+  conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  # Round trips first (1-byte ping-pong), then the bulk transfer.
+  for _ in range(200):
+    conn.sendall(conn.recv(1))
+  buf = bytearray(1 << 20)
+  got, start = 0, None
+  while got < nbytes:
+    k = conn.recv_into(buf)
+    if not k:
+      break
+    if start is None:
+      start = time.perf_counter()
+      first = k
+    got += k
+  elapsed = time.perf_counter() - start
+  conn.sendall(b"k")
+  print(f"goodput_Bps={(got - first) / elapsed}")
+
+
+def _tcp_client(nbytes: int, host: str):
+  for attempt in range(300):  # the server may still be starting
+    try:
+      conn = socket.create_connection((host, _PORT), timeout=60)
+      break
+    except ConnectionRefusedError:
+      if attempt == 299:
+        raise
+      time.sleep(0.2)
+  conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  rtts = []
+  for _ in range(200):
+    t = time.perf_counter()
+    conn.sendall(b"x")
+    conn.recv(1)
+    rtts.append(time.perf_counter() - t)
+  data = b"x" * (1 << 20)
+  for start in range(0, nbytes, len(data)):
+    conn.sendall(data[:nbytes - start])
+  conn.recv(1)
+  rtts.sort()
+  print(f"rtt_s={rtts[len(rtts) // 2]}")
+
+
+def _counter(iface: str, which: str) -> int:
+  try:
+    with open(f"/sys/class/net/{iface}/statistics/{which}") as f:
+      return int(f.read())
+  except OSError:  # sysfs not mounted for this namespace: /proc/net/dev is per netns
+    with open("/proc/net/dev") as f:
+      for line in f:
+        name, _, rest = line.partition(":")
+        if name.strip() == iface:
+          fields = rest.split()
+          return int(fields[0] if which == "rx_bytes" else fields[8])
+  raise RuntimeError(f"no byte counter for interface {iface}")
+
+
+def _rank(args):
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import onebit_optax
+
+  if args.num_ranks > 1:
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator, num_processes=args.num_ranks,
+        process_id=args.rank, initialization_timeout=300)
+  devices = jax.devices()
+  assert len(devices) == args.num_ranks, devices
+  mesh = jax.make_mesh((args.num_ranks,), ("data",))
+  replicated, batched = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+  # An embedding-bag classifier: almost all parameters sit in the embedding
+  # table, while the forward/backward pass touches only batch*seq rows of it, so
+  # the dense gradient (and its all-reduce) dominate the step, as in
+  # embedding-heavy recommendation and language models.
+  vocab, dim, hidden, classes = args.vocab, args.dim, 64, 16
+
+  def init_params(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {
+        "embed": 0.02 * jax.random.normal(k1, (vocab, dim)),
+        "w1": jax.random.normal(k2, (dim, hidden)) / np.sqrt(dim),
+        "b1": jnp.zeros(hidden),
+        "w2": jax.random.normal(k3, (hidden, classes)) / np.sqrt(hidden),
+        "b2": jnp.zeros(classes),
+    }
+
+  def make_batch(key):
+    k1, k2 = jax.random.split(key)
+    tokens = jax.random.randint(k1, (args.num_ranks * args.batch, args.seq), 0, vocab)
+    return tokens, jax.random.randint(k2, (args.num_ranks * args.batch,), 0, classes)
+
+  def loss_fn(params, tokens, labels):
+    bag = params["embed"][tokens].mean(axis=1)
+    h = jnp.tanh(bag @ params["w1"] + params["b1"])
+    logits = h @ params["w2"] + params["b2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  fresh_params = jax.jit(init_params, out_shardings=replicated)
+  tokens, labels = jax.jit(make_batch, out_shardings=(batched, batched))(jax.random.key(1))
+  num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(init_params, jax.random.key(0))))
+
+  def make_step(tx, state_specs, reduce_grads):
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(P(), state_specs, P("data"), P("data")),
+        out_specs=(P(), state_specs, P()))
+    def step(params, opt_state, tokens, labels):
+      # Local gradients (no all-reduce in the backward pass); each optimizer
+      # decides how to average them.
+      loss, grads = jax.value_and_grad(loss_fn)(
+          onebit_optax.local_params(params, "data"), tokens, labels)
+      if reduce_grads:
+        grads = jax.lax.pmean(grads, "data")
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+    return step
+
+  iface = args.iface
+
+  def run_block(step, params, opt_state, nsteps):
+    tx0, rx0 = _counter(iface, "tx_bytes"), _counter(iface, "rx_bytes")
+    times = []
+    for _ in range(nsteps):
+      t = time.perf_counter()
+      params, opt_state, loss = step(params, opt_state, tokens, labels)
+      jax.block_until_ready((params, opt_state, loss))
+      times.append(time.perf_counter() - t)
+    tx1, rx1 = _counter(iface, "tx_bytes"), _counter(iface, "rx_bytes")
+    return params, opt_state, {
+        "step_s": times, "tx_bytes_per_step": (tx1 - tx0) / nsteps,
+        "rx_bytes_per_step": (rx1 - rx0) / nsteps}
+
+  def replicated_value(x):
+    return np.asarray(x.addressable_data(0)).item()
+
+  results = {"rank": args.rank, "num_params": int(num_params), "num_ranks": args.num_ranks,
+             "iface": iface, "modes": {}}
+  nsteps, repeats = args.steps, args.repeats
+
+  # --- optax.adam on the pmean of the local gradients -------------------------
+  if "adam" in args.modes:
+    tx = optax.adam(1e-3)
+    params = fresh_params(jax.random.key(0))
+    opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
+    step = make_step(tx, P(), reduce_grads=True)
+    t = time.perf_counter()
+    params, opt_state, _ = run_block(step, params, opt_state, 1)
+    blocks = []
+    for _ in range(repeats):
+      params, opt_state, block = run_block(step, params, opt_state, nsteps)
+      blocks.append(block)
+    results["modes"]["adam"] = {"first_step_s": time.perf_counter() - t, "blocks": blocks}
+    del params, opt_state, step
+
+  # --- onebit_adam: warmup steps, then (forced) compression steps --------------
+  if "onebit" in args.modes:
+    # One compiled program serves both phases (the switch is a lax.cond on the
+    # state): step 1 compiles, `repeats * nsteps` timed warmup steps follow, the
+    # variance freezes at the end of the last of them, one untimed compression
+    # step follows, then the timed compression steps.
+    freeze_at = 1 + repeats * nsteps
+    tx = onebit_optax.onebit_adam(
+        1e-3, axis_name="data", freeze=onebit_optax.fixed_step_freeze(freeze_at))
+    params = fresh_params(jax.random.key(0))
+    opt_state = onebit_optax.init_sharded(tx, params, mesh)
+    specs = onebit_optax.state_partition_specs(opt_state, "data")
+    step = make_step(tx, specs, reduce_grads=False)
+    t = time.perf_counter()
+    params, opt_state, _ = run_block(step, params, opt_state, 1)
+    first = time.perf_counter() - t
+    warm, comp = [], []
+    for _ in range(repeats):
+      params, opt_state, block = run_block(step, params, opt_state, nsteps)
+      warm.append(block)
+    assert replicated_value(onebit_optax.is_frozen(opt_state)), "did not freeze"
+    warm_wire = replicated_value(onebit_optax.wire_bytes(opt_state))
+    params, opt_state, _ = run_block(step, params, opt_state, 1)
+    for _ in range(repeats):
+      params, opt_state, block = run_block(step, params, opt_state, nsteps)
+      comp.append(block)
+    comp_wire = replicated_value(onebit_optax.wire_bytes(opt_state))
+    results["modes"]["onebit_warmup"] = {
+        "first_step_s": first, "blocks": warm, "state_wire_bytes": warm_wire}
+    results["modes"]["onebit_compression"] = {"blocks": comp, "state_wire_bytes": comp_wire}
+
+  with open(args.out, "w") as f:
+    json.dump(results, f)
+  if args.num_ranks > 1:
+    jax.distributed.shutdown()
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__)
+  sub = parser.add_subparsers(dest="cmd", required=True)
+  srv = sub.add_parser("tcp-server")
+  srv.add_argument("nbytes", type=int)
+  cli = sub.add_parser("tcp-client")
+  cli.add_argument("nbytes", type=int)
+  cli.add_argument("host")
+  rk = sub.add_parser("rank")
+  rk.add_argument("--rank", type=int, required=True)
+  rk.add_argument("--num-ranks", type=int, required=True)
+  rk.add_argument("--coordinator", default=None)
+  rk.add_argument("--iface", default="eth0")
+  rk.add_argument("--vocab", type=int, required=True)
+  rk.add_argument("--dim", type=int, required=True)
+  rk.add_argument("--batch", type=int, required=True, help="sequences per rank")
+  rk.add_argument("--seq", type=int, required=True)
+  rk.add_argument("--steps", type=int, required=True, help="timed steps per repeat")
+  rk.add_argument("--repeats", type=int, required=True)
+  rk.add_argument("--modes", default="adam,onebit")
+  rk.add_argument("--out", required=True)
+  args = parser.parse_args(argv)
+  if args.cmd == "tcp-server":
+    _tcp_server(args.nbytes)
+  elif args.cmd == "tcp-client":
+    _tcp_client(args.nbytes, args.host)
+  else:
+    _rank(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

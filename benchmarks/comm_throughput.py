@@ -1,0 +1,454 @@
+"""Steps/s of Adam vs 1-bit Adam on 4 CPU ranks over a real bandwidth-limited network.
+
+    sudo .venv/bin/python benchmarks/comm_throughput.py            # 1 Gbit/s links
+    sudo .venv/bin/python benchmarks/comm_throughput.py --rates    # + 100 Mbit/s and 10 Gbit/s
+
+Not a test (CI does not run it): it needs root for network namespaces and takes
+minutes. What it does:
+
+1. Builds a LAN: one network namespace per rank, each with a veth port into a
+   bridge, every port shaped by ``tc tbf`` to the link rate (benchmarks/_netns.py).
+   Everything is deleted at the end, also on Ctrl-C, SIGTERM or an error;
+   leftovers of killed runs are deleted at the start. Without root or iproute2
+   it says so and runs on plain loopback (no bandwidth limit), labelled as such.
+2. Measures the link: TCP goodput and round-trip time between two namespaces.
+3. Starts 4 ranks (``ip netns exec``), each one JAX process with one CPU device
+   and one XLA thread, pinned to a core (``taskset``), joined by
+   ``jax.distributed`` over TCP, with gloo doing the collectives. Each trains an
+   embedding-bag classifier of ~25.6M parameters (the embedding table is 99.9%
+   of them; the forward/backward pass is small) with optax.adam on the pmean of
+   the gradients, then onebit_adam in warmup, then (forced with
+   fixed_step_freeze) in the compression phase. Steps are timed after
+   compilation, in repeats; bytes on the wire come from the kernel's counters of
+   each rank's interface (tx_bytes), not from a formula.
+4. Measures the compute alone: the same 4 ranks, run at the same time on the same
+   cores but each on its own (1-device mesh, so no collective at all).
+5. Prints and saves a table (benchmarks/results/comm_throughput.md) and a plot
+   (benchmarks/results/comm_throughput.png): throughput ratio 1-bit/Adam, bytes
+   per step measured and predicted (onebit_optax.allreduce_wire_bytes /
+   compressed_wire_bytes), compute time, and the alpha-beta model's ratio:
+
+       t_adam   = t_compute_adam + bytes_adam / bandwidth
+       t_onebit = t_compute_onebit + bytes_onebit / bandwidth
+                 (t_compute_onebit = t_compute_adam + t_compress)
+
+   with the measured bandwidth and compute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _netns  # noqa: E402  (benchmarks/_netns.py)
+
+WORKER = HERE / "_comm_worker.py"
+XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+MODES = ("adam", "onebit_warmup", "onebit_compression")
+LABELS = {"adam": "optax.adam + pmean", "onebit_warmup": "onebit_adam warmup",
+          "onebit_compression": "onebit_adam compression"}
+COORD_PORT = 12355
+
+
+def _parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--rate", default="1gbit", help="link rate for tc (default 1gbit)")
+  p.add_argument("--rates", action="store_true", help="also run 100mbit and 10gbit")
+  p.add_argument("--ranks", type=int, default=4)
+  p.add_argument("--vocab", type=int, default=200_000, help="embedding rows (x dim = parameters)")
+  p.add_argument("--dim", type=int, default=128)
+  p.add_argument("--batch", type=int, default=32, help="sequences per rank per step")
+  p.add_argument("--seq", type=int, default=32)
+  p.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--no-pin", action="store_true", help="do not pin ranks to cores with taskset")
+  p.add_argument("--loopback", action="store_true", help="skip namespaces: plain loopback")
+  p.add_argument("--timeout", type=float, default=1200, help="seconds per group of ranks")
+  p.add_argument("--out-dir", default=str(HERE / "results"))
+  return p.parse_args(argv)
+
+
+# --- process handling ----------------------------------------------------------------
+
+_CHILDREN: list[subprocess.Popen] = []
+
+
+def _kill_children():
+  for proc in _CHILDREN:
+    if proc.poll() is None:
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the rank and its threads
+      except ProcessLookupError:
+        pass
+      proc.wait()
+  _CHILDREN.clear()
+
+
+def _on_signal(signum, frame):
+  del frame
+  raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _start(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+  f = open(log, "w")
+  proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+  f.close()
+  _CHILDREN.append(proc)
+  return proc
+
+
+def _run_ranks(cmds: list[list[str]], workdir: Path, timeout: float, tag: str) -> list[dict]:
+  """Starts one process per command, waits for all, returns their JSON results."""
+  env = dict(os.environ, XLA_FLAGS=XLA_FLAGS, PYTHONUNBUFFERED="1",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])))
+  outs = [workdir / f"{tag}-rank{r}.json" for r in range(len(cmds))]
+  logs = [workdir / f"{tag}-rank{r}.log" for r in range(len(cmds))]
+  procs = [_start(cmd + ["--out", str(out)], log, env) for cmd, out, log in zip(cmds, outs, logs)]
+  deadline = time.time() + timeout
+  try:
+    while any(p.poll() is None for p in procs):
+      if any(p.poll() not in (None, 0) for p in procs) or time.time() > deadline:
+        break
+      time.sleep(0.5)
+    failed = [r for r, p in enumerate(procs) if p.poll() != 0]
+    if failed:
+      why = "timed out" if time.time() > deadline else "failed"
+      tails = "\n".join(f"--- rank {r} ({logs[r]}):\n" + "\n".join(
+          logs[r].read_text().splitlines()[-15:]) for r in failed)
+      raise RuntimeError(f"{tag}: ranks {failed} {why}\n{tails}")
+  finally:
+    _kill_children()
+  return [json.loads(o.read_text()) for o in outs]
+
+
+def _worker_cmd(args, rank: int, num_ranks: int, coordinator: str | None, iface: str) -> list[str]:
+  cmd = [sys.executable, str(WORKER), "rank", "--rank", str(rank), "--num-ranks", str(num_ranks),
+         "--iface", iface, "--vocab", str(args.vocab), "--dim", str(args.dim),
+         "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+         "--repeats", str(args.repeats)]
+  if coordinator:
+    cmd += ["--coordinator", coordinator]
+  if not args.no_pin and shutil.which("taskset"):
+    cmd = ["taskset", "-c", str(rank % os.cpu_count())] + cmd
+  return cmd
+
+
+# --- statistics --------------------------------------------------------------------
+
+def _median(xs):
+  xs = sorted(xs)
+  k = len(xs)
+  return 0.5 * (xs[(k - 1) // 2] + xs[k // 2])
+
+
+def _summarize(results: list[dict], bytes_divisor: float = 1.0) -> dict:
+  """Per mode: median step time (rank 0, all timed steps), per-repeat medians, bytes."""
+  summary = {}
+  for mode in MODES:
+    if mode not in results[0]["modes"]:
+      continue
+    blocks0 = results[0]["modes"][mode]["blocks"]
+    steps = [t for b in blocks0 for t in b["step_s"]]
+    per_rep = [_median(b["step_s"]) for b in blocks0]
+    tx = [_median([b["tx_bytes_per_step"] for b in r["modes"][mode]["blocks"]]) / bytes_divisor
+          for r in results]
+    summary[mode] = {
+        "step_s": _median(steps), "rep_min_s": min(per_rep), "rep_max_s": max(per_rep),
+        "tx_bytes": sum(tx) / len(tx), "tx_bytes_ranks": tx,
+        "state_wire_bytes": results[0]["modes"][mode].get("state_wire_bytes"),
+        "first_step_s": results[0]["modes"][mode].get("first_step_s")}
+  return summary
+
+
+def _predicted_bytes(num_params: int, n: int) -> dict:
+  import onebit_optax
+  full = onebit_optax.allreduce_wire_bytes(num_params, n)
+  return {"adam": full, "onebit_warmup": full,
+          "onebit_compression": onebit_optax.compressed_wire_bytes(
+              onebit_optax.padded_size(num_params, n), n)}
+
+
+def _uptime() -> str:
+  try:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+  except OSError:
+    la = os.getloadavg()
+    return f"load average: {la[0]:.2f}, {la[1]:.2f}, {la[2]:.2f}"
+
+
+# --- the report --------------------------------------------------------------------
+
+def _fmt_bytes(b: float) -> str:
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if b >= scale:
+      return f"{b / scale:.2f} {unit}"
+  return f"{b:.0f} B"
+
+
+def _report(args, runs: list[dict], compute: dict, num_params: int, header: list[str]) -> list[str]:
+  n = args.ranks
+  pred = _predicted_bytes(num_params, n)
+  tc = compute["summary"]
+  t_adam_c = tc["adam"]["step_s"]
+  t_onebit_c = tc["onebit_compression"]["step_s"]
+  lines = header + [
+      "",
+      "## Compute alone (no communication)",
+      "",
+      f"The {n} ranks run at the same time on the same cores, each on its own 1-device mesh "
+      "(the collectives vanish), so contention for the CPU is as in the networked runs. "
+      "For 1-bit Adam this is a 1-device cluster: the rank also compresses the whole vector as "
+      f"\"server\" (in the {n}-rank run it serves 1/{n} of it), so t_compress is an upper bound.",
+      "",
+      "| step | median s/step (rank 0) | repeats min-max |",
+      "|---|---:|---:|",
+  ]
+  for mode in MODES:
+    s = tc[mode]
+    lines.append(f"| {LABELS[mode]} | {s['step_s']:.3f} | {s['rep_min_s']:.3f}-{s['rep_max_s']:.3f} |")
+  lines += ["", f"t_compute (Adam step) = {t_adam_c:.3f} s, t_compress = "
+            f"{t_onebit_c - t_adam_c:.3f} s (1-bit compression step minus Adam step).", ""]
+
+  for run in runs:
+    s, bw, rtt = run["summary"], run["bandwidth_Bps"], run["rtt_s"]
+    lines += [
+        f"## {run['label']}",
+        "",
+        f"Measured TCP goodput between two ranks: {bw / 1e6:.1f} MB/s "
+        f"({bw * 8 / 1e9:.3f} Gbit/s), round trip {rtt * 1e6:.0f} us. "
+        f"Load before the run: {run['load']}.",
+        "",
+        "| step | median s/step | repeats min-max | steps/s | vs Adam | bytes sent/rank/step (measured) "
+        "| predicted | measured/predicted |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode in MODES:
+      m = s[mode]
+      lines.append(
+          f"| {LABELS[mode]} | {m['step_s']:.3f} | {m['rep_min_s']:.3f}-{m['rep_max_s']:.3f} | "
+          f"{1 / m['step_s']:.2f} | {s['adam']['step_s'] / m['step_s']:.2f}x | "
+          f"{_fmt_bytes(m['tx_bytes'])} | {_fmt_bytes(pred[mode])} | "
+          f"{m['tx_bytes'] / pred[mode]:.3f} |")
+    # alpha-beta: latency terms are 2(n-1) message rounds for both (ring all-reduce;
+    # all_to_all + all_gather), negligible here but kept for completeness.
+    alpha = rtt / 2 * 2 * (n - 1)
+    t_adam_model = t_adam_c + alpha + pred["adam"] / bw
+    t_onebit_model = t_onebit_c + alpha + pred["onebit_compression"] / bw
+    achieved = s["adam"]["step_s"] / s["onebit_compression"]["step_s"]
+    predicted = t_adam_model / t_onebit_model
+    run["model"] = {"t_adam": t_adam_model, "t_onebit": t_onebit_model,
+                    "achieved": achieved, "predicted": predicted}
+    comm_adam = s["adam"]["step_s"] - t_adam_c
+    comm_onebit = s["onebit_compression"]["step_s"] - t_onebit_c
+    lines += [
+        "",
+        f"Alpha-beta model: t_adam = {t_adam_c:.3f} + {alpha * 1e3:.2f} ms + "
+        f"{_fmt_bytes(pred['adam'])} / bw = {t_adam_model:.3f} s; t_onebit = {t_adam_c:.3f} + "
+        f"{t_onebit_c - t_adam_c:.3f} + {alpha * 1e3:.2f} ms + {_fmt_bytes(pred['onebit_compression'])}"
+        f" / bw = {t_onebit_model:.3f} s.",
+        "",
+        f"**Throughput 1-bit (compression) / Adam: {achieved:.2f}x achieved, {predicted:.2f}x "
+        f"predicted by the model, achieved/predicted = {achieved / predicted:.0%}.** "
+        f"Communication time implied (step minus compute alone): Adam {comm_adam:.3f} s "
+        f"(model {pred['adam'] / bw:.3f} s), 1-bit {comm_onebit:.3f} s "
+        f"(model {pred['onebit_compression'] / bw:.3f} s). "
+        f"Wire bytes reported by the optimizer state: warmup "
+        f"{_fmt_bytes(s['onebit_warmup']['state_wire_bytes'])}, compression "
+        f"{_fmt_bytes(s['onebit_compression']['state_wire_bytes'])}.",
+        "",
+    ]
+  return lines
+
+
+def _plot(runs: list[dict], path: Path):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not installed: no plot")
+    return
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  width = 0.8 / len(MODES)
+  for i, mode in enumerate(MODES):
+    xs = [j + (i - 1) * width for j in range(len(runs))]
+    axes[0].bar(xs, [1 / r["summary"][mode]["step_s"] for r in runs], width, label=LABELS[mode])
+    axes[1].bar(xs, [r["summary"][mode]["tx_bytes"] for r in runs], width, label=LABELS[mode])
+  for j, r in enumerate(runs):
+    m = r["model"]
+    axes[0].plot([j - width * 1.5, j - width / 2], [1 / m["t_adam"]] * 2, "k--", lw=1)
+    axes[0].plot([j + width / 2, j + width * 1.5], [1 / m["t_onebit"]] * 2, "k--", lw=1,
+                 label="alpha-beta model" if j == 0 else None)
+    axes[0].annotate(f"{m['achieved']:.1f}x", (j + width, 1 / r["summary"]["onebit_compression"]["step_s"]),
+                     ha="center", va="bottom", fontsize=9)
+  for ax in axes:
+    ax.set_xticks(range(len(runs)), [r["short_label"] for r in runs])
+  axes[0].set_ylabel("steps / s")
+  axes[0].set_title(f"{runs[0]['num_ranks']} CPU ranks, {runs[0]['num_params'] / 1e6:.1f}M parameters")
+  axes[1].set_yscale("log")
+  axes[1].set_ylabel("bytes sent per rank per step (tx_bytes)")
+  axes[1].set_title("measured on the interfaces")
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}")
+
+
+# --- main --------------------------------------------------------------------------
+
+def main(argv=None):
+  args = _parse_args(argv)
+  for sig in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, _on_signal)
+  rates = [args.rate] + ([r for r in ("100mbit", "10gbit") if r != args.rate] if args.rates else [])
+  start_load = _uptime()
+  print(f"uptime at start: {start_load}", flush=True)
+  reason = "--loopback given" if args.loopback else _netns.unavailable_reason()
+  if reason:
+    print(f"Network namespaces unavailable ({reason}): falling back to plain loopback, "
+          "NO bandwidth limit; bytes are read on `lo`, shared by all ranks.", flush=True)
+  else:
+    stale = _netns.cleanup_stale()
+    if stale:
+      print(f"removed leftovers of earlier runs: {', '.join(stale)}", flush=True)
+
+  workdir = Path(tempfile.mkdtemp(prefix="onebit-comm-"))
+  n = args.ranks
+  runs = []
+  t0 = time.time()
+  try:
+    print(f"[{time.time() - t0:5.0f}s] compute alone: {n} ranks without communication", flush=True)
+    local = _run_ranks([_worker_cmd(args, r, 1, None, "lo") for r in range(n)],
+                       workdir, args.timeout, "compute")
+    compute = {"summary": _summarize(local)}
+    num_params = local[0]["num_params"]
+    for mode in MODES:
+      print(f"    {LABELS[mode]:28s} {compute['summary'][mode]['step_s']:.3f} s/step", flush=True)
+
+    for rate in (rates if not reason else ["loopback"]):
+      load = _uptime().split("load average:")[-1].strip()
+      if reason:
+        print(f"[{time.time() - t0:5.0f}s] loopback run", flush=True)
+        bw = _loopback_bandwidth()
+        coordinator = f"127.0.0.1:{_free_port()}"
+        cmds = [_worker_cmd(args, r, n, coordinator, "lo") for r in range(n)]
+        results = _run_ranks(cmds, workdir, args.timeout, "loopback")
+        summary = _summarize(results, bytes_divisor=n)
+        runs.append({"label": "Loopback, no namespaces (NOT bandwidth-limited)",
+                     "short_label": "loopback", "summary": summary, "bandwidth_Bps": bw["goodput_Bps"],
+                     "rtt_s": bw["rtt_s"], "load": load, "num_ranks": n, "num_params": num_params})
+        continue
+      with _netns.Cluster(n, rate) as cluster:
+        print(f"[{time.time() - t0:5.0f}s] {rate}: namespaces {cluster.prefix}-*, measuring the link",
+              flush=True)
+        nbytes = int(min(200e6, max(20e6, _netns._rate_bits(rate) / 8 * 1.0)))
+        bw = _netns.measure_bandwidth(cluster, sys.executable, nbytes=nbytes)
+        print(f"    goodput {bw['goodput_Bps'] / 1e6:.1f} MB/s, rtt {bw['rtt_s'] * 1e6:.0f} us; "
+              f"starting {n} ranks", flush=True)
+        coordinator = f"{cluster.address(0)}:{COORD_PORT}"
+        cmds = [cluster.exec_prefix(r) + _worker_cmd(args, r, n, coordinator, "eth0")
+                for r in range(n)]
+        results = _run_ranks(cmds, workdir, args.timeout, rate)
+      summary = _summarize(results)
+      for mode in MODES:
+        print(f"    {LABELS[mode]:28s} {summary[mode]['step_s']:.3f} s/step, "
+              f"{_fmt_bytes(summary[mode]['tx_bytes'])} sent/rank/step", flush=True)
+      runs.append({"label": f"{n} ranks, {rate} links (tc tbf, network namespaces)",
+                   "short_label": rate, "summary": summary, "bandwidth_Bps": bw["goodput_Bps"],
+                   "rtt_s": bw["rtt_s"], "load": load, "num_ranks": n, "num_params": num_params})
+  finally:
+    _kill_children()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+  import jax
+  import optax
+  import onebit_optax
+  header = [
+      "# Communication benchmark: Adam vs 1-bit Adam, 4 CPU ranks",
+      "",
+      f"Command: `python benchmarks/comm_throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
+      .replace("  ", " ").rstrip() + f" (took {time.time() - t0:.0f} s).",
+      f"jax {jax.__version__}, optax {optax.__version__}, onebit_optax {onebit_optax.__version__} "
+      f"(commit {_git_commit()}); {os.cpu_count()} CPU cores shared by {n} ranks "
+      f"({'pinned rank % cores' if not args.no_pin else 'not pinned'}), one XLA thread each.",
+      f"Model: embedding bag, {args.vocab:,} x {args.dim} table + 2 small dense layers = "
+      f"{num_params:,} parameters; batch {args.batch} x {args.seq} tokens per rank. "
+      f"{args.repeats} repeats x {args.steps} timed steps per optimizer, after compilation.",
+      f"`uptime` at start: {start_load}",
+      f"`uptime` at end: {_uptime()}",
+  ]
+  lines = _report(args, runs, compute, num_params, header)
+  goal = [r for r in runs if r["short_label"] == "1gbit"]
+  if goal:
+    m = goal[0]["model"]
+    lines += [
+        "## Against the goal",
+        "",
+        f"At 1 Gbit/s with {n} ranks: {m['achieved']:.2f}x Adam's throughput (goal >= 4x), "
+        f"{m['achieved'] / m['predicted']:.0%} of the alpha-beta model's {m['predicted']:.2f}x "
+        "(goal >= 80%).",
+        "",
+    ]
+  out_dir = Path(args.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  text = "\n".join(lines)
+  print("\n" + text, flush=True)
+  (out_dir / "comm_throughput.md").write_text(text + "\n")
+  (out_dir / "comm_throughput.json").write_text(json.dumps(
+      {"runs": runs, "compute": compute, "args": vars(args)}, indent=1, default=str))
+  print(f"wrote {out_dir / 'comm_throughput.md'}")
+  _plot(runs, out_dir / "comm_throughput.png")
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _loopback_bandwidth() -> dict:
+  """Goodput and round trip over loopback, with the same probe as the namespaces."""
+  port_probe = subprocess.Popen([sys.executable, str(WORKER), "tcp-server", str(200 * 2**20)],
+                                stdout=subprocess.PIPE, text=True)
+  try:
+    time.sleep(0.5)
+    client = subprocess.run([sys.executable, str(WORKER), "tcp-client", str(200 * 2**20),
+                             "127.0.0.1"], capture_output=True, text=True, check=True)
+    out, _ = port_probe.communicate(timeout=120)
+  finally:
+    if port_probe.poll() is None:
+      port_probe.kill()
+  result = {}
+  for line in (client.stdout + out).split("\n"):
+    if "=" in line:
+      k, v = line.split("=", 1)
+      result[k.strip()] = float(v)
+  return result
+
+
+def _git_commit() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=HERE, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+if __name__ == "__main__":
+  try:
+    main()
+  except KeyboardInterrupt as e:
+    print(f"\ninterrupted ({e}); namespaces and ranks cleaned up.", file=sys.stderr)
+    sys.exit(130)
