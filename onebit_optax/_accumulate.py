@@ -55,6 +55,10 @@ def accumulate_gradients(
     >>> loss, g = onebit_optax.accumulate_gradients(loss_fn, 1.0, jnp.arange(8.0), 4)
     >>> float(loss), float(g)
     (17.5, 35.0)
+
+  References:
+    Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, ICML 2021
+    (one compressed communication per optimizer step).
   """
   k = int(num_microbatches)
   if k < 1:
@@ -120,6 +124,10 @@ def clip_by_global_norm(max_norm: float, *, axis_name: Optional[Hashable]
     >>> updates, _ = clip.update({'w': jnp.array([3.0, 4.0])}, clip.init(None))
     >>> updates['w']
     Array([0.6, 0.8], dtype=float32)
+
+  References:
+    Pascanu et al., `On the difficulty of training recurrent neural networks
+    <https://arxiv.org/abs/1211.5063>`_, 2013.
   """
 
   def init_fn(params):

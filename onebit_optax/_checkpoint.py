@@ -135,6 +135,10 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
     >>> target = onebit_optax.abstract_state(tx, {'w': jnp.ones(3)}, mesh)
     >>> target[0].worker_error.shape, target[0].worker_error.sharding.spec
     ((2, 16), P('data',))
+
+  References:
+    `Orbax checkpointing <https://orbax.readthedocs.io/en/latest/>`_;
+    DeepSpeed's 1-bit Adam tutorial (which resets the error buffers on load).
   """
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
   if mesh is None:
@@ -196,6 +200,10 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
     True
     >>> step, state[0].worker_error.shape
     (7, (2, 16))
+
+  References:
+    `Orbax checkpointing <https://orbax.readthedocs.io/en/latest/>`_;
+    DeepSpeed's 1-bit Adam tutorial (which resets the error buffers on load).
   """
   ocp = _orbax()
   metadata = _metadata(step, params, opt_state)
@@ -320,6 +328,10 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
     ...   params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, new_mesh)
     >>> state[0].worker_error.shape  # reset for 4 devices (no warning: still warmup)
     (4, 32)
+
+  References:
+    `Orbax checkpointing <https://orbax.readthedocs.io/en/latest/>`_;
+    DeepSpeed's 1-bit Adam tutorial (which resets the error buffers on load).
   """
   ocp = _orbax()
   manager, owned = _open(directory_or_manager, create=False)  # reading creates nothing

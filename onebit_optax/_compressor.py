@@ -34,6 +34,10 @@ def padded_size(size: int, num_devices: int = 1) -> int:
     >>> import onebit_optax
     >>> onebit_optax.padded_size(1000, num_devices=8)
     1024
+
+  References:
+    DeepSpeed ``compressed_allreduce`` pads to a multiple of ``n * lcm(n, 8)``;
+    ``8 n`` is all that the packing and the chunking need.
   """
   if num_devices < 1:
     raise ValueError(f"num_devices must be >= 1, got {num_devices}.")
@@ -92,6 +96,10 @@ def sign_compress(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def sign_decompress(packed: jax.Array, scale: jax.Array, size: int) -> jax.Array:
   r"""Inverse of :func:`sign_compress`: ``scale * (2 b - 1)`` for the first ``size`` bits.
 
+  .. math::
+
+    C(x)_i = s \cdot (2 b_i - 1), \qquad i < \mathrm{size}.
+
   Args:
     packed: uint8 array whose last axis holds packed sign bits; leading axes are
       batch axes (e.g. one row per device).
@@ -106,6 +114,9 @@ def sign_decompress(packed: jax.Array, scale: jax.Array, size: int) -> jax.Array
     >>> import onebit_optax
     >>> onebit_optax.sign_decompress(jnp.array([0b101], jnp.uint8), 2.0, 3)
     Array([ 2., -2.,  2.], dtype=float32)
+
+  References:
+    Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, ICML 2021.
   """
   packed = jnp.asarray(packed)
   if packed.dtype != jnp.uint8:

@@ -19,7 +19,16 @@ __all__ = [
 
 
 class VarianceRatioFreeze(NamedTuple):
-  """Freeze once the bias-corrected variance stops moving (see :func:`variance_ratio_freeze`)."""
+  """Freeze once the bias-corrected variance stops moving (see :func:`variance_ratio_freeze`).
+
+  Not callable on purpose: :func:`optax.inject_hyperparams` treats callables as
+  schedules, and passes this through unchanged.
+
+  Example:
+    >>> import onebit_optax
+    >>> onebit_optax.VarianceRatioFreeze(threshold=0.96, interval=None, min_steps=0)
+    VarianceRatioFreeze(threshold=0.96, interval=None, min_steps=0)
+  """
 
   threshold: float
   interval: Optional[int]
@@ -27,7 +36,13 @@ class VarianceRatioFreeze(NamedTuple):
 
 
 class FixedStepFreeze(NamedTuple):
-  """Freeze after a fixed number of warmup steps (see :func:`fixed_step_freeze`)."""
+  """Freeze after a fixed number of warmup steps (see :func:`fixed_step_freeze`).
+
+  Example:
+    >>> import onebit_optax
+    >>> onebit_optax.FixedStepFreeze(step=400, interval=None)
+    FixedStepFreeze(step=400, interval=None)
+  """
 
   step: int
   interval: Optional[int]
@@ -107,7 +122,7 @@ def fixed_step_freeze(step: int, *, interval: Optional[int] = None) -> FixedStep
   r"""Freezes the variance after exactly ``step`` warmup steps (DeepSpeed's ``freeze_step``).
 
   Steps ``1..step`` are plain Adam; from step ``step + 1`` on the momentum is
-  compressed. The variance ratio is still measured every ``interval`` steps (same
+  compressed and the variance is :math:`\hat v_{T_0}`, :math:`T_0` = ``step``. The variance ratio is still measured every ``interval`` steps (same
   definition as :func:`variance_ratio_freeze`) for logging only.
 
   Args:
@@ -121,6 +136,10 @@ def fixed_step_freeze(step: int, *, interval: Optional[int] = None) -> FixedStep
     >>> import onebit_optax
     >>> onebit_optax.fixed_step_freeze(400)
     FixedStepFreeze(step=400, interval=None)
+
+  References:
+    DeepSpeed ``OnebitAdam`` (``freeze_step``) and its 1-bit Adam tutorial;
+    Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, ICML 2021.
   """
   if int(step) < 1:
     raise ValueError(

@@ -32,7 +32,17 @@ class ScaleByOnebitAdamState(NamedTuple):
 
   ``worker_error`` and ``server_error`` are per device: under ``shard_map`` their
   leading axis is the device axis (shard it with ``P(axis_name)``, see
-  :func:`state_partition_specs`); every other field is replicated.
+  :func:`state_partition_specs`); every other field is replicated. Memory on top
+  of Adam: :math:`D_{pad}(1 + 1/n)` floats per device.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> state = onebit_optax.scale_by_onebit_adam(axis_name=None).init({'w': jnp.ones(3)})
+    >>> state.worker_error.shape, state.server_error.shape, bool(state.frozen)
+    ((1, 8), (1, 8), False)
+
+  References:
+    Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, ICML 2021, Algorithm 1.
   """
 
   count: jax.Array  # shape=(), dtype=int32: optimizer steps taken.
@@ -385,10 +395,13 @@ def onebit_adam(
     >>> tx = onebit_optax.onebit_adam(0.1, axis_name=None, freeze=20)
     >>> params = jnp.array([1.0, -2.0])
     >>> state = tx.init(params)
-    >>> for _ in range(40):
+    >>> @jax.jit
+    ... def step(params, state):
     ...   grads = jax.grad(lambda p: jnp.sum(p ** 2))(params)
     ...   updates, state = tx.update(grads, state, params)
-    ...   params = optax.apply_updates(params, updates)
+    ...   return optax.apply_updates(params, updates), state
+    >>> for _ in range(40):
+    ...   params, state = step(params, state)
     >>> bool(onebit_optax.is_frozen(state)), bool(jnp.all(jnp.abs(params) < 1.0))
     (True, True)
 
@@ -423,6 +436,14 @@ def _find_state(opt_state) -> ScaleByOnebitAdamState:
 def is_frozen(opt_state) -> jax.Array:
   """True once the variance is frozen (compression phase). Accepts any state containing one.
 
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
+      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+
+  Returns:
+    A bool scalar array: the phase the *next* step will run.
+
   Example:
     >>> import jax.numpy as jnp, onebit_optax
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
@@ -434,6 +455,14 @@ def is_frozen(opt_state) -> jax.Array:
 
 def freeze_step(opt_state) -> jax.Array:
   """The last warmup step (the variance is frozen after it); 0 while still warming up.
+
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
+      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+
+  Returns:
+    An int32 scalar array :math:`T_0` (the frozen variance is :math:`v_{T_0}`).
 
   Example:
     >>> import jax.numpy as jnp, onebit_optax
@@ -447,6 +476,15 @@ def freeze_step(opt_state) -> jax.Array:
 def variance_ratio(opt_state) -> jax.Array:
   r"""The last measured :math:`\lVert\hat v_t\rVert_1 / \lVert\hat v_{t-\Delta}\rVert_1` (NaN before the first).
 
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
+      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+
+  Returns:
+    A float32 scalar array, measured every :math:`\Delta` warmup steps (see
+    :func:`variance_ratio_freeze`); it stops moving once frozen.
+
   Example:
     >>> import jax.numpy as jnp, onebit_optax
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
@@ -457,7 +495,17 @@ def variance_ratio(opt_state) -> jax.Array:
 
 
 def wire_bytes(opt_state) -> jax.Array:
-  """Bytes this device sent on the wire in the last step (ring model for the all-reduce).
+  r"""Bytes this device sent on the wire in the last step (ring model for the all-reduce).
+
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
+      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+
+  Returns:
+    A float32 scalar array: :math:`2\frac{n-1}{n}\,4D` for the float32
+    all-reduce of warmup, :func:`compressed_wire_bytes` in compression, 0 on
+    one device.
 
   Example:
     >>> import jax.numpy as jnp, onebit_optax
@@ -470,6 +518,14 @@ def wire_bytes(opt_state) -> jax.Array:
 
 def skipped_steps(opt_state) -> jax.Array:
   """How many steps were skipped on all devices because a gradient was not finite.
+
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
+      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+
+  Returns:
+    An int32 scalar array.
 
   Example:
     >>> import jax.numpy as jnp, onebit_optax

@@ -42,6 +42,10 @@ def local_params(params, axis_name: Hashable):
     ...   return jax.grad(lambda w: jnp.sum(w ** 2))(onebit_optax.local_params(w, 'data'))
     >>> local_grad(jnp.ones(2))
     Array([2., 2.], dtype=float32)
+
+  References:
+    `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_:
+    "varying manual axes" (``check_vma``) and ``jax.lax.pcast``.
   """
   def cast(x):
     if axis_name in _collective._varying_axes(x):
@@ -76,6 +80,9 @@ def state_partition_specs(opt_state, axis_name: Hashable):
     >>> specs = onebit_optax.state_partition_specs(tx.init({'w': jnp.ones(3)}), 'data')
     >>> specs[0].worker_error, specs[0].count
     (P('data',), P())
+
+  References:
+    `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
   """
   def spec(node):
     if isinstance(node, ScaleByOnebitAdamState):
@@ -110,6 +117,9 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
     >>> state = onebit_optax.init_sharded(tx, {'w': jnp.ones(3)}, mesh)
     >>> state[0].worker_error.shape  # (devices, padded size)
     (1, 8)
+
+  References:
+    `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
   """
   if axis_name not in mesh.axis_names:
     raise ValueError(
