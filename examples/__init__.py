@@ -1,0 +1,1 @@
+"""Runnable training examples; importable so tests and benchmarks can reuse the models."""
