@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
-import pytest
 
 import onebit_optax
 

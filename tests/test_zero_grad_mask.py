@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
