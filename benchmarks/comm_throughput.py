@@ -55,9 +55,12 @@ import _netns  # noqa: E402  (benchmarks/_netns.py)
 
 WORKER = HERE / "_comm_worker.py"
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-MODES = ("adam", "onebit_warmup", "onebit_compression")
+MODES = ("adam", "onebit_warmup", "onebit_compression", "prototype_compression")
 LABELS = {"adam": "optax.adam + pmean", "onebit_warmup": "onebit_adam warmup",
-          "onebit_compression": "onebit_adam compression"}
+          "onebit_compression": "onebit_adam compression",
+          "prototype_compression": "prototype compression (benchmarks/_prototype.py)"}
+SHORT = {"adam": "adam", "onebit_warmup": "1-bit warmup", "onebit_compression": "1-bit compression",
+         "prototype_compression": "prototype"}
 COORD_PORT = 12355
 
 
@@ -74,8 +77,15 @@ def _parse_args(argv=None):
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--no-pin", action="store_true", help="do not pin ranks to cores with taskset")
   p.add_argument("--loopback", action="store_true", help="skip namespaces: plain loopback")
+  p.add_argument("--profile", action="store_true",
+                 help="also time the collectives of a step on their own (adds ~1 min per rate)")
+  p.add_argument("--modes", default="adam,onebit,proto",
+                 help="what the ranks train (default adam,onebit,proto; proto = the "
+                      "benchmark-local prototype of a leaner compression step)")
   p.add_argument("--timeout", type=float, default=1200, help="seconds per group of ranks")
   p.add_argument("--out-dir", default=str(HERE / "results"))
+  p.add_argument("--name", default=None, help="output file stem (default comm_throughput, or "
+                 "comm_throughput_rates with --rates)")
   return p.parse_args(argv)
 
 
@@ -136,9 +146,11 @@ def _worker_cmd(args, rank: int, num_ranks: int, coordinator: str | None, iface:
   cmd = [sys.executable, str(WORKER), "rank", "--rank", str(rank), "--num-ranks", str(num_ranks),
          "--iface", iface, "--vocab", str(args.vocab), "--dim", str(args.dim),
          "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-         "--repeats", str(args.repeats)]
+         "--repeats", str(args.repeats), "--modes", args.modes]
   if coordinator:
     cmd += ["--coordinator", coordinator]
+    if args.profile:
+      cmd += ["--profile"]
   if not args.no_pin and shutil.which("taskset"):
     cmd = ["taskset", "-c", str(rank % os.cpu_count())] + cmd
   return cmd
@@ -174,9 +186,11 @@ def _summarize(results: list[dict], bytes_divisor: float = 1.0) -> dict:
 def _predicted_bytes(num_params: int, n: int) -> dict:
   import onebit_optax
   full = onebit_optax.allreduce_wire_bytes(num_params, n)
-  return {"adam": full, "onebit_warmup": full,
+  pred = {"adam": full, "onebit_warmup": full,
           "onebit_compression": onebit_optax.compressed_wire_bytes(
               onebit_optax.padded_size(num_params, n), n)}
+  pred["prototype_compression"] = pred["onebit_compression"]
+  return pred
 
 
 def _uptime() -> str:
@@ -200,8 +214,8 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, header: list
   n = args.ranks
   pred = _predicted_bytes(num_params, n)
   tc = compute["summary"]
+  modes = [m for m in MODES if m in tc]
   t_adam_c = tc["adam"]["step_s"]
-  t_onebit_c = tc["onebit_compression"]["step_s"]
   lines = header + [
       "",
       "## Compute alone (no communication)",
@@ -211,14 +225,17 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, header: list
       "For 1-bit Adam this is a 1-device cluster: the rank also compresses the whole vector as "
       f"\"server\" (in the {n}-rank run it serves 1/{n} of it), so t_compress is an upper bound.",
       "",
-      "| step | median s/step (rank 0) | repeats min-max |",
-      "|---|---:|---:|",
+      "| step | median s/step (rank 0) | repeats min-max | x Adam |",
+      "|---|---:|---:|---:|",
   ]
-  for mode in MODES:
-    s = tc[mode]
-    lines.append(f"| {LABELS[mode]} | {s['step_s']:.3f} | {s['rep_min_s']:.3f}-{s['rep_max_s']:.3f} |")
-  lines += ["", f"t_compute (Adam step) = {t_adam_c:.3f} s, t_compress = "
-            f"{t_onebit_c - t_adam_c:.3f} s (1-bit compression step minus Adam step).", ""]
+  for mode in modes:
+    c = tc[mode]
+    lines.append(f"| {LABELS[mode]} | {c['step_s']:.3f} | {c['rep_min_s']:.3f}-{c['rep_max_s']:.3f} "
+                 f"| {c['step_s'] / t_adam_c:.2f} |")
+  lines += ["", f"t_compute (Adam step) = {t_adam_c:.3f} s; t_compress = 1-bit compression step "
+            "minus Adam step: " + ", ".join(
+                f"{SHORT[m]} {tc[m]['step_s'] - t_adam_c:.3f} s" for m in modes
+                if m.endswith("compression")) + ".", ""]
 
   for run in runs:
     s, bw, rtt = run["summary"], run["bandwidth_Bps"], run["rtt_s"]
@@ -229,11 +246,11 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, header: list
         f"({bw * 8 / 1e9:.3f} Gbit/s), round trip {rtt * 1e6:.0f} us. "
         f"Load before the run: {run['load']}.",
         "",
-        "| step | median s/step | repeats min-max | steps/s | vs Adam | bytes sent/rank/step (measured) "
-        "| predicted | measured/predicted |",
+        "| step | median s/step | repeats min-max | steps/s | vs Adam | bytes sent/rank/step "
+        "(measured) | predicted | measured/predicted |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for mode in MODES:
+    for mode in modes:
       m = s[mode]
       lines.append(
           f"| {LABELS[mode]} | {m['step_s']:.3f} | {m['rep_min_s']:.3f}-{m['rep_max_s']:.3f} | "
@@ -244,30 +261,43 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, header: list
     # all_to_all + all_gather), negligible here but kept for completeness.
     alpha = rtt / 2 * 2 * (n - 1)
     t_adam_model = t_adam_c + alpha + pred["adam"] / bw
-    t_onebit_model = t_onebit_c + alpha + pred["onebit_compression"] / bw
-    achieved = s["adam"]["step_s"] / s["onebit_compression"]["step_s"]
-    predicted = t_adam_model / t_onebit_model
-    run["model"] = {"t_adam": t_adam_model, "t_onebit": t_onebit_model,
-                    "achieved": achieved, "predicted": predicted}
-    comm_adam = s["adam"]["step_s"] - t_adam_c
-    comm_onebit = s["onebit_compression"]["step_s"] - t_onebit_c
+    run["model"] = {"t_adam": t_adam_model}
     lines += [
         "",
-        f"Alpha-beta model: t_adam = {t_adam_c:.3f} + {alpha * 1e3:.2f} ms + "
-        f"{_fmt_bytes(pred['adam'])} / bw = {t_adam_model:.3f} s; t_onebit = {t_adam_c:.3f} + "
-        f"{t_onebit_c - t_adam_c:.3f} + {alpha * 1e3:.2f} ms + {_fmt_bytes(pred['onebit_compression'])}"
-        f" / bw = {t_onebit_model:.3f} s.",
+        f"Alpha-beta model (bw = measured goodput, alpha = {alpha * 1e3:.2f} ms): t_adam = "
+        f"{t_adam_c:.3f} s + {_fmt_bytes(pred['adam'])} / bw = {t_adam_model:.3f} s.",
         "",
-        f"**Throughput 1-bit (compression) / Adam: {achieved:.2f}x achieved, {predicted:.2f}x "
-        f"predicted by the model, achieved/predicted = {achieved / predicted:.0%}.** "
-        f"Communication time implied (step minus compute alone): Adam {comm_adam:.3f} s "
-        f"(model {pred['adam'] / bw:.3f} s), 1-bit {comm_onebit:.3f} s "
-        f"(model {pred['onebit_compression'] / bw:.3f} s). "
-        f"Wire bytes reported by the optimizer state: warmup "
+        "| compression step | t_compute | + bytes/bw | model s/step | measured s/step | "
+        "ratio vs Adam: model | measured | **measured/model** | comm implied (measured - compute) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode in [m for m in modes if m.endswith("compression")]:
+      t_c = tc[mode]["step_s"]
+      t_model = t_c + alpha + pred[mode] / bw
+      predicted = t_adam_model / t_model
+      achieved = s["adam"]["step_s"] / s[mode]["step_s"]
+      run["model"][mode] = {"t": t_model, "predicted": predicted, "achieved": achieved}
+      lines.append(
+          f"| {SHORT[mode]} | {t_c:.3f} | {pred[mode] / bw:.3f} | {t_model:.3f} | "
+          f"{s[mode]['step_s']:.3f} | {predicted:.2f}x | {achieved:.2f}x | "
+          f"**{achieved / predicted:.0%}** | {s[mode]['step_s'] - t_c:.3f} s |")
+    lines += [
+        "",
+        f"Adam: communication implied {s['adam']['step_s'] - t_adam_c:.3f} s "
+        f"(model {pred['adam'] / bw:.3f} s). Wire bytes reported by the optimizer state: warmup "
         f"{_fmt_bytes(s['onebit_warmup']['state_wire_bytes'])}, compression "
-        f"{_fmt_bytes(s['onebit_compression']['state_wire_bytes'])}.",
+        f"{_fmt_bytes(s['onebit_compression']['state_wire_bytes'])}."
+        if "onebit_warmup" in s else "",
         "",
     ]
+    if run.get("profile"):
+      lines += [
+          f"Collectives on their own ({num_params:,} float32 per rank; rank 0, median of "
+          "repeats):",
+          "",
+          "| operation | s |",
+          "|---|---:|",
+      ] + [f"| {k} | {v:.3f} |" for k, v in run["profile"].items()] + [""]
   return lines
 
 
@@ -279,26 +309,32 @@ def _plot(runs: list[dict], path: Path):
   except ImportError:
     print("matplotlib not installed: no plot")
     return
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  width = 0.8 / len(MODES)
-  for i, mode in enumerate(MODES):
-    xs = [j + (i - 1) * width for j in range(len(runs))]
-    axes[0].bar(xs, [1 / r["summary"][mode]["step_s"] for r in runs], width, label=LABELS[mode])
-    axes[1].bar(xs, [r["summary"][mode]["tx_bytes"] for r in runs], width, label=LABELS[mode])
+  modes = [m for m in MODES if m in runs[0]["summary"]]
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  width = 0.8 / len(modes)
+  offset = lambda i: (i - (len(modes) - 1) / 2) * width
+  for i, mode in enumerate(modes):
+    xs = [j + offset(i) for j in range(len(runs))]
+    axes[0].bar(xs, [1 / r["summary"][mode]["step_s"] for r in runs], width, label=SHORT[mode])
+    axes[1].bar(xs, [r["summary"][mode]["tx_bytes"] for r in runs], width, label=SHORT[mode])
   for j, r in enumerate(runs):
-    m = r["model"]
-    axes[0].plot([j - width * 1.5, j - width / 2], [1 / m["t_adam"]] * 2, "k--", lw=1)
-    axes[0].plot([j + width / 2, j + width * 1.5], [1 / m["t_onebit"]] * 2, "k--", lw=1,
-                 label="alpha-beta model" if j == 0 else None)
-    axes[0].annotate(f"{m['achieved']:.1f}x", (j + width, 1 / r["summary"]["onebit_compression"]["step_s"]),
-                     ha="center", va="bottom", fontsize=9)
+    for i, mode in enumerate(modes):
+      t_model = r["model"]["t_adam"] if mode == "adam" else r["model"].get(mode, {}).get("t")
+      if t_model:
+        axes[0].plot([j + offset(i) - width / 2, j + offset(i) + width / 2], [1 / t_model] * 2,
+                     "k--", lw=1, label="alpha-beta model" if (i, j) == (0, 0) else None)
+      if mode != "adam":
+        axes[0].annotate(f"{r['summary']['adam']['step_s'] / r['summary'][mode]['step_s']:.2f}x",
+                         (j + offset(i), 1 / r["summary"][mode]["step_s"]),
+                         ha="center", va="bottom", fontsize=8)
   for ax in axes:
     ax.set_xticks(range(len(runs)), [r["short_label"] for r in runs])
   axes[0].set_ylabel("steps / s")
-  axes[0].set_title(f"{runs[0]['num_ranks']} CPU ranks, {runs[0]['num_params'] / 1e6:.1f}M parameters")
+  axes[0].set_title(f"{runs[0]['num_ranks']} CPU ranks, {runs[0]['num_params'] / 1e6:.1f}M "
+                    "parameters (labels: x Adam)", fontsize=10)
   axes[1].set_yscale("log")
   axes[1].set_ylabel("bytes sent per rank per step (tx_bytes)")
-  axes[1].set_title("measured on the interfaces")
+  axes[1].set_title("measured on the interfaces", fontsize=10)
   axes[0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -333,7 +369,7 @@ def main(argv=None):
                        workdir, args.timeout, "compute")
     compute = {"summary": _summarize(local)}
     num_params = local[0]["num_params"]
-    for mode in MODES:
+    for mode in compute["summary"]:
       print(f"    {LABELS[mode]:28s} {compute['summary'][mode]['step_s']:.3f} s/step", flush=True)
 
     for rate in (rates if not reason else ["loopback"]):
@@ -347,7 +383,8 @@ def main(argv=None):
         summary = _summarize(results, bytes_divisor=n)
         runs.append({"label": "Loopback, no namespaces (NOT bandwidth-limited)",
                      "short_label": "loopback", "summary": summary, "bandwidth_Bps": bw["goodput_Bps"],
-                     "rtt_s": bw["rtt_s"], "load": load, "num_ranks": n, "num_params": num_params})
+                     "rtt_s": bw["rtt_s"], "load": load, "num_ranks": n, "num_params": num_params,
+                     "profile": results[0].get("profile")})
         continue
       with _netns.Cluster(n, rate) as cluster:
         print(f"[{time.time() - t0:5.0f}s] {rate}: namespaces {cluster.prefix}-*, measuring the link",
@@ -361,12 +398,13 @@ def main(argv=None):
                 for r in range(n)]
         results = _run_ranks(cmds, workdir, args.timeout, rate)
       summary = _summarize(results)
-      for mode in MODES:
+      for mode in summary:
         print(f"    {LABELS[mode]:28s} {summary[mode]['step_s']:.3f} s/step, "
               f"{_fmt_bytes(summary[mode]['tx_bytes'])} sent/rank/step", flush=True)
       runs.append({"label": f"{n} ranks, {rate} links (tc tbf, network namespaces)",
                    "short_label": rate, "summary": summary, "bandwidth_Bps": bw["goodput_Bps"],
-                   "rtt_s": bw["rtt_s"], "load": load, "num_ranks": n, "num_params": num_params})
+                   "rtt_s": bw["rtt_s"], "load": load, "num_ranks": n, "num_params": num_params,
+                   "profile": results[0].get("profile")})
   finally:
     _kill_children()
     shutil.rmtree(workdir, ignore_errors=True)
@@ -391,24 +429,25 @@ def main(argv=None):
   lines = _report(args, runs, compute, num_params, header)
   goal = [r for r in runs if r["short_label"] == "1gbit"]
   if goal:
-    m = goal[0]["model"]
-    lines += [
-        "## Against the goal",
-        "",
-        f"At 1 Gbit/s with {n} ranks: {m['achieved']:.2f}x Adam's throughput (goal >= 4x), "
-        f"{m['achieved'] / m['predicted']:.0%} of the alpha-beta model's {m['predicted']:.2f}x "
-        "(goal >= 80%).",
-        "",
-    ]
+    lines += ["## Against the goal", ""]
+    for mode in ("onebit_compression", "prototype_compression"):
+      m = goal[0]["model"].get(mode)
+      if m:
+        lines.append(
+            f"- {LABELS[mode]}, 1 Gbit/s, {n} ranks: {m['achieved']:.2f}x Adam's throughput "
+            f"(goal >= 4x); {m['achieved'] / m['predicted']:.0%} of the alpha-beta model's "
+            f"{m['predicted']:.2f}x (goal >= 80%).")
+    lines.append("")
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   text = "\n".join(lines)
   print("\n" + text, flush=True)
-  (out_dir / "comm_throughput.md").write_text(text + "\n")
-  (out_dir / "comm_throughput.json").write_text(json.dumps(
+  stem = args.name or ("comm_throughput_rates" if args.rates else "comm_throughput")
+  (out_dir / f"{stem}.md").write_text(text + "\n")
+  (out_dir / f"{stem}.json").write_text(json.dumps(
       {"runs": runs, "compute": compute, "args": vars(args)}, indent=1, default=str))
-  print(f"wrote {out_dir / 'comm_throughput.md'}")
-  _plot(runs, out_dir / "comm_throughput.png")
+  print(f"wrote {out_dir / (stem + '.md')}")
+  _plot(runs, out_dir / f"{stem}.png")
 
 
 def _free_port() -> int:

@@ -15,7 +15,7 @@ With ``--profile`` (default on) it also breaks the 1-bit update down into its
 parts at one size (the moment update, ravel + pad, compressed_mean, unravel, the
 frozen-variance direction, the non-finite-step guard), lists the full-size
 passes in the compiled program, and times a prototype that does the same math
-on flat buffers with fewer passes (``_prototype_update`` below), to show what a
+on flat buffers with fewer passes (benchmarks/_prototype.py), to show what a
 restructured core update could reach.
 
 Writes benchmarks/results/optimizer_compute.md.
@@ -60,6 +60,9 @@ import optax  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 
 import onebit_optax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _prototype  # noqa: E402  (benchmarks/_prototype.py)
 
 B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 1e-3
 
@@ -125,56 +128,6 @@ def _mem_available() -> float:
 _LIVE_COPIES = 18
 
 
-def _prototype_init(params):
-  flat, _ = ravel_pytree(params)
-  d = onebit_optax.padded_size(flat.size, 1)
-  z = lambda: jnp.zeros(d, jnp.float32)
-  return {"count": jnp.zeros([], jnp.int32), "mu": z(), "nu": z(),
-          "freeze_step": jnp.ones([], jnp.int32), "worker_error": z(), "server_error": z()}
-
-
-def _prototype_update(grads, state):
-  """Compression-phase update on flat buffers (axis_name=None math), fewer passes.
-
-  Differences from the core (same arithmetic, same results up to rounding):
-  mu and nu are stored flat and padded (no ravel of the state, no unravel into
-  the tree, no pad copy); the compressor's bits come from the same fused pass
-  that writes the new worker error; the final decode and the frozen-variance
-  direction are one pass that writes mu and the update; no lax.cond copy-out,
-  and the non-finite guard is a scalar that selects only the tiny counters (on
-  a non-finite step the caller would re-run with the old state instead of
-  writing ``where(ok, new, old)`` over every buffer).
-  """
-  g, unravel = ravel_pytree(grads)
-  d, size = state["mu"].size, g.size
-  g = jnp.pad(g, (0, d - size))
-  count = state["count"] + 1
-  u = B1 * state["mu"] + (1.0 - B1) * g + state["worker_error"]
-  scale = jnp.sqrt(jnp.sum(u * u) / d)
-  positive = u >= 0
-  worker_error = u - jnp.where(positive, scale, -scale)
-  packed = jnp.packbits(positive, bitorder="little")
-  # n = 1: the "server" decodes its one chunk, adds its error, re-compresses.
-  bits = jnp.unpackbits(packed, bitorder="little", count=d).astype(bool)
-  w = jnp.where(bits, scale, -scale) + state["server_error"]
-  server_scale = jnp.sqrt(jnp.sum(w * w) / d)
-  server_positive = w >= 0
-  server_error = w - jnp.where(server_positive, server_scale, -server_scale)
-  server_packed = jnp.packbits(server_positive, bitorder="little")
-  # Everyone decodes the gathered bits (for n = 1: the server's own).
-  mean_bits = jnp.unpackbits(server_packed, bitorder="little", count=d).astype(bool)
-  mu = jnp.where(mean_bits, server_scale, -server_scale)
-  bc1 = 1.0 - B1 ** count.astype(jnp.float32)
-  bc2 = 1.0 - B2 ** state["freeze_step"].astype(jnp.float32)
-  nu = state["nu"]
-  direction = jnp.where(nu > 0, (mu / bc1) / (jnp.sqrt(nu / bc2) + EPS), 0.0)
-  ok = jnp.isfinite(server_scale) & jnp.isfinite(scale)
-  updates = unravel(-LR * direction[:size])
-  new_state = dict(state, count=jnp.where(ok, count, state["count"]), mu=mu,
-                   worker_error=worker_error, server_error=server_error)
-  return updates, new_state
-
-
 _DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "u8": 1, "s8": 1, "pred": 1}
 _SKIP_OPS = ("parameter", "get-tuple-element", "bitcast", "tuple", "constant", "conditional",
              "while", "call")
@@ -221,6 +174,96 @@ def _written_arrays(compiled_text: str, size: int) -> dict[str, tuple[float, int
   return out
 
 
+def _hlo_sources(compiled_text: str) -> dict[str, str]:
+  """Maps each HLO instruction name to the source line (in onebit_optax if any) it came from."""
+  section, files, funcs, locs, frames = None, {}, {}, {}, {}
+  for line in compiled_text.split("\n"):
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      section = line
+      continue
+    if not line.strip():
+      section = None
+      continue
+    if section == "FileNames":
+      k, v = line.split(" ", 1)
+      files[k] = v.strip('"')
+    elif section == "FunctionNames":
+      k, v = line.split(" ", 1)
+      funcs[k] = v.strip('"')
+    elif section == "FileLocations":
+      k = line.split(" ", 1)[0]
+      f = re.search(r"file_name_id=(\d+)", line).group(1)
+      ln = re.search(r"line=(\d+)", line).group(1)
+      locs[k] = (files.get(f, "?"), int(ln))
+    elif section == "StackFrames":
+      k = line.split(" ", 1)[0]
+      frames[k] = (re.search(r"file_location_id=(\d+)", line).group(1),
+                   re.search(r"parent_frame_id=(\d+)", line).group(1))
+  out = {}
+  for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = .*?metadata=\{op_name=\"([^\"]*)\""
+                       r"(?: stack_frame_id=(\d+))?", compiled_text, re.M):
+    name, op_name, frame = m.group(1), m.group(2), m.group(3)
+    where, seen = None, set()
+    while frame and frame in frames and frame not in seen:
+      seen.add(frame)
+      path, line = locs.get(frames[frame][0], ("?", 0))
+      if "onebit_optax/" in path:
+        where = f"{path.split('onebit_optax/')[-1]}:{line}"
+        break
+      if where is None and "site-packages/jax/" not in path:
+        where = f"{Path(path).name}:{line}"
+      frame = frames[frame][1]
+    prim = op_name.split("/")[-1]
+    out[name] = f"{prim} @ {where or '?'}"
+  return out
+
+
+def _traced_ops(fn, state, steps: int = 5):
+  """Runs ``state -> (out, state)`` ``steps`` times under jax.profiler.trace.
+
+  Returns the trace events (one per executed HLO op, named like the
+  instruction) and the final state.
+  """
+  import glob
+  import gzip
+  import json
+  import tempfile
+  out, state = fn(state)
+  jax.block_until_ready((out, state))
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp):
+      for _ in range(steps):
+        out, state = fn(state)
+        jax.block_until_ready((out, state))
+    trace = glob.glob(f"{tmp}/**/*.trace.json.gz", recursive=True)
+    events = json.load(gzip.open(trace[0]))["traceEvents"] if trace else []
+  return events, state
+
+
+def _breakdown(events, sources: dict, steps: int) -> tuple[list[tuple[float, str]], float]:
+  """([(ms per step, 'primitive @ file:line (instructions)')], total ms): ops by source line.
+
+  Each instruction's time is the median over the traced steps (times the number
+  of executions per step), so one preempted step does not dominate.
+  """
+  durations = {}
+  for e in events:
+    name = e.get("name")
+    if e.get("ph") != "X" or name not in sources or name.startswith(("cond", "conditional")):
+      continue
+    durations.setdefault(name, []).append(e["dur"] / 1e3)
+  by_source, total = {}, 0.0
+  for name, ds in durations.items():
+    ms = float(np.median(ds)) * len(ds) / steps
+    total += ms
+    t, names = by_source.get(sources[name], (0.0, set()))
+    names.add(name)
+    by_source[sources[name]] = (t + ms, names)
+  rows = sorted(((t, f"{k} ({', '.join(sorted(n)[:3])}{', ...' if len(n) > 3 else ''})")
+                 for k, (t, n) in by_source.items()), reverse=True)
+  return rows, total
+
+
 def compare(size: int, repeats: int) -> dict:
   params = make_tree(size, 0)
   grads = make_tree(size, 1)
@@ -250,10 +293,8 @@ def profile(size: int, repeats: int) -> dict:
   no_guard = onebit_optax.onebit_adam(LR, axis_name=None, freeze=onebit_optax.fixed_step_freeze(1),
                                       skip_nonfinite=False)
   adam_update, onebit_update, no_guard_update = map(_donated_update, (adam, onebit, no_guard))
-  proto = jax.jit(_prototype_update, donate_argnums=(1,))
-  proto_state = _prototype_init(params)
-  proto_state["nu"] = jnp.abs(ravel_pytree(grads)[0]) ** 2 * 1e-3
-  proto_state["nu"] = jnp.pad(proto_state["nu"], (0, d - size))
+  proto = jax.jit(functools.partial(_prototype.update, learning_rate=LR), donate_argnums=(1,))
+  proto_state = _prototype.init(params)
 
   flat_g = ravel_pytree(grads)[0]
   x = jnp.pad(flat_g, (0, d - size))
@@ -272,6 +313,13 @@ def profile(size: int, repeats: int) -> dict:
   decompress = jax.jit(lambda p, s: onebit_optax.sign_decompress(p, s, d))
   decompress_acc = jax.jit(lambda p, s, acc: acc + onebit_optax.sign_decompress(p, s, d),
                            donate_argnums=(2,))
+
+  chunk4 = d // 32 * 8  # n = 4: the server's chunk
+  rows4 = jnp.stack([packed[:chunk4 // 8]] * 4)
+  s4 = jnp.full(4, scale)
+  mean0 = jax.jit(lambda r, s: jnp.mean(onebit_optax.sign_decompress(r, s, chunk4), axis=0))
+  rowsum = jax.jit(lambda r, s: sum(onebit_optax.sign_decompress(r[i], s[i], chunk4)
+                                    for i in range(4)) / 4)
 
   def keep(fn):  # parts whose output we do not feed back: no state
     return (lambda s: (fn(s), s)), None
@@ -296,7 +344,9 @@ def profile(size: int, repeats: int) -> dict:
       "  sign_decompress fused into acc +=": (
           lambda a: (None, decompress_acc(packed, scale, a)), jnp.zeros(d)),
       "  one donated f32 add (memory pass unit)": (lambda a: (None, add(a, x)), jnp.zeros(d)),
-      "prototype flat-buffer update (below)": (lambda s: proto(grads, s), proto_state),
+      "  server mean of 4 decoded chunks: jnp.mean(axis=0)": keep(lambda _: mean0(rows4, s4)),
+      "  same as a sum over the 4 rows": keep(lambda _: rowsum(rows4, s4)),
+      "prototype update (benchmarks/_prototype.py)": (lambda s: proto(grads, s), proto_state),
   }
   times = _time_interleaved(parts, repeats)
 
@@ -309,31 +359,25 @@ def profile(size: int, repeats: int) -> dict:
        (small_g, adam.init(small_p), small_p)),
       ("onebit", jax.jit(onebit.update, donate_argnums=(1,)),
        (small_g, onebit.init(small_p), small_p)),
-      ("prototype", jax.jit(_prototype_update, donate_argnums=(1,)),
-       (small_g, _prototype_init(small_p))),
+      ("prototype", jax.jit(functools.partial(_prototype.update, learning_rate=LR),
+                             donate_argnums=(1,)),
+       (small_g, _prototype.init(small_p))),
   ):
     text = fn.lower(*args).compile().as_text()
     hlo[name] = _written_arrays(text, n_small)
-  return {"size": size, "times": times, "hlo": hlo}
-
-
-def _check_prototype(size: int = 4096):
-  """The prototype computes what onebit_adam computes (else its timing means nothing)."""
-  params, grads = make_tree(size, 0), make_tree(size, 1)
-  onebit = onebit_optax.onebit_adam(LR, axis_name=None, freeze=onebit_optax.fixed_step_freeze(1))
-  state = onebit.init(params)
-  _, state = onebit.update(grads, state, params)  # warmup step 1, then frozen
-  inner = state[0]
-  flat = lambda t: ravel_pytree(t)[0]
-  proto = {"count": inner.count, "mu": flat(inner.mu), "nu": flat(inner.nu),
-           "freeze_step": inner.freeze_step,
-           "worker_error": inner.worker_error[0], "server_error": inner.server_error[0]}
-  for step in range(3):
-    g = make_tree(size, 10 + step)
-    ref_upd, state = onebit.update(g, state, params)
-    upd, proto = _prototype_update(g, proto)
-    np.testing.assert_allclose(flat(upd), flat(ref_upd), rtol=2e-5, atol=1e-9)
-    np.testing.assert_allclose(proto["mu"], flat(state[0].mu), rtol=2e-5, atol=1e-9)
+  # Where the time goes inside the compiled updates, per source line (profiler trace).
+  traced = {}
+  for name, jitted, make_state in (
+      ("adam", jax.jit(adam.update, donate_argnums=(1,)), lambda: adam.init(params)),
+      ("onebit compression", jax.jit(onebit.update, donate_argnums=(1,)),
+       lambda: _frozen_state(onebit, onebit_update, params, grads)),
+  ):
+    st = make_state()
+    sources = _hlo_sources(jitted.lower(grads, st, params).compile().as_text())
+    events, st = _traced_ops(lambda s, f=jitted: f(grads, s, params), st, steps=5)
+    traced[name] = _breakdown(events, sources, 5)
+    del st
+  return {"size": size, "times": times, "hlo": hlo, "traced": traced}
 
 
 def _fmt_ms(s: float) -> str:
@@ -381,7 +425,7 @@ def main():
   lines = header + rows + [""] + notes
 
   if args.profile_size:
-    _check_prototype()
+    _prototype.check_against_package()
     size = int(args.profile_size)
     prof = profile(size, args.repeats)
     unit = prof["times"]["adam update (reference)"]
@@ -407,9 +451,16 @@ def main():
     for name, comps in prof["hlo"].items():
       parts = ", ".join(f"{comp}: {k:.2f} arrays ({c} copies)" for comp, (k, c) in comps.items())
       block.append(f"- {name}: {parts}")
+    for name, (rows, total) in prof["traced"].items():
+      block += ["", f"Profiler trace of the {name} update ({size:,} parameters), time per op "
+                f"grouped by the source line it comes from ({total:.1f} ms per update in ops; "
+                "top 12):", "", "| ms | share | primitive @ source (HLO instructions) |",
+                "|---:|---:|---|"]
+      for t, what in rows[:12]:
+        block.append(f"| {t:.1f} | {t / total:.0%} | {what} |")
     block.append("")
-    block.append("The prototype (`_prototype_update` in this file) matches onebit_adam's updates "
-                 "and momentum to rtol 2e-5 over 3 compression steps (checked before timing).")
+    block.append("The prototype (benchmarks/_prototype.py) matches onebit_adam's updates and "
+                 "momentum to rtol 2e-5 over 3 compression steps (checked before timing).")
     print("\n".join(block), flush=True)
     lines += block
 
