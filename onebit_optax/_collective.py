@@ -12,6 +12,7 @@ from onebit_optax import _compressor
 __all__ = [
     "axis_size",
     "compressed_mean",
+    "compressed_mean_and_check",
     "full_precision_mean",
     "allreduce_wire_bytes",
     "compressed_wire_bytes",
@@ -194,6 +195,19 @@ def compressed_mean(
     Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, 2021
     (Algorithm 1 and Section 4.2).
   """
+  mean, new_worker_error, new_server_error, _ = compressed_mean_and_check(
+      x, worker_error, server_error, axis_name)
+  return mean, new_worker_error, new_server_error
+
+
+def compressed_mean_and_check(x, worker_error, server_error, axis_name):
+  """:func:`compressed_mean`, plus whether the result is finite on every device.
+
+  The flag is read off the gathered server scales (n scalars): a NaN or Inf in any
+  device's input makes its scale non-finite, hence every server's average and
+  scale, and every device sees the same gathered scales. So it is free, and
+  agreed across devices without another collective.
+  """
   n = axis_size(axis_name, caller="compressed_mean")
   x = jnp.asarray(x)
   if x.ndim != 1 or x.dtype != jnp.float32:
@@ -224,8 +238,14 @@ def compressed_mean(
     rows = jax.lax.all_to_all(rows, axis_name, split_axis=0, concat_axis=0, tiled=True)
   # Row i is now device i's compressed version of our chunk.
   worker_scales = _from_bytes(rows[:, chunk // 8:])
-  chunk_mean = jnp.mean(
-      _compressor.sign_decompress(rows[:, :chunk // 8], worker_scales, chunk), axis=0)
+  # An explicit sum over the n rows: XLA:CPU lowers jnp.mean(axis=0) of the
+  # decoded (n, chunk) block to a slow strided reduction (~20x slower, measured
+  # in benchmarks/optimizer_compute.py); the row sum fuses decode and accumulate.
+  chunk_sum = _compressor.sign_decompress(rows[0, :chunk // 8], worker_scales[0], chunk)
+  for i in range(1, n):
+    chunk_sum = chunk_sum + _compressor.sign_decompress(
+        rows[i, :chunk // 8], worker_scales[i], chunk)
+  chunk_mean = chunk_sum / n
 
   # Phase 2: as server of this chunk, re-compress the average with our own error
   # feedback and share it with everyone.
@@ -241,4 +261,5 @@ def compressed_mean(
     gathered = jax.lax.all_gather(message, axis_name, to="invarying")
   server_scales = _from_bytes(gathered[:, chunk // 8:])
   mean = _compressor.sign_decompress(gathered[:, :chunk // 8], server_scales, chunk)
-  return mean.reshape(d), new_worker_error, new_server_error
+  finite = jnp.all(jnp.isfinite(server_scales))
+  return mean.reshape(d), new_worker_error, new_server_error, finite

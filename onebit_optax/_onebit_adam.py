@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.flatten_util import ravel_pytree
 from optax._src import numerics
 
 from onebit_optax import _collective
@@ -92,6 +91,35 @@ def _check_params(params) -> tuple[int, Any]:
         "onebit_adam got params whose leaves all have size 0: there is nothing to "
         "optimize.")
   return size, jax.tree.structure(params)
+
+
+def _flatten(tree, length: int) -> jax.Array:
+  """The leaves of ``tree`` as one float32 vector, zero-padded to ``length``.
+
+  Same order as ``ravel_pytree``. Written leaf by leaf with dynamic_update_slice:
+  XLA:CPU turns a concatenate into a per-element choice between operands inside
+  every consumer, which is several times slower than plain copies.
+  """
+  flat = jnp.zeros((length,), jnp.float32)
+  offset = 0
+  for leaf in jax.tree.leaves(tree):
+    flat = jax.lax.dynamic_update_slice(flat, jnp.ravel(leaf).astype(jnp.float32), (offset,))
+    offset += leaf.size
+  return flat
+
+
+def _unraveler(tree):
+  """Inverse of :func:`_flatten` for trees shaped like ``tree`` (slices, no copy of the whole)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  shapes = [leaf.shape for leaf in leaves]
+  def unravel(flat):
+    out, offset = [], 0
+    for shape in shapes:
+      size = int(np.prod(shape))
+      out.append(flat[offset:offset + size].reshape(shape))
+      offset += size
+    return jax.tree.unflatten(treedef, out)
+  return unravel
 
 
 def _zeros(tree, dtype):
@@ -271,29 +299,31 @@ def scale_by_onebit_adam(
     grads = _as_f32(updates)
     mu32, nu32 = _as_f32(state.mu), _as_f32(state.nu)
     count_inc = numerics.safe_increment(state.count)
-    _, unravel = ravel_pytree(mu32)
+    unravel = _unraveler(mu32)
 
-    def adam_direction(mu, nu_hat, mask_unseen):
-      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
-      if not mask_unseen:  # exactly optax.scale_by_adam
-        return jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
-      # A coordinate whose frozen variance is 0 never had a gradient: its momentum
-      # is only sign noise from the compressor, which 1/(0 + eps) would amplify.
-      return jax.tree.map(
-          lambda m, v: jnp.where(v > 0, m / (jnp.sqrt(v) + eps), 0.0), mu_hat, nu_hat)
+    def guard(finite, new, old):
+      """``new`` where the step is finite, else ``old`` (fused into ``new``'s producer)."""
+      if not skip_nonfinite:
+        return new
+      return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
 
     def warmup(_):
-      flat_grads, _ = ravel_pytree(grads)
-      flat_mean = _collective.full_precision_mean(flat_grads, axis_name)
+      flat_mean = _collective.full_precision_mean(_flatten(grads, size), axis_name)
+      # Read off the replicated mean, which every device's gradient reaches: all
+      # devices agree on it without another collective.
+      finite = jnp.all(jnp.isfinite(flat_mean))
       mean_grads = unravel(flat_mean)
-      mu = optax.tree.update_moment(mean_grads, mu32, b1, 1)
-      nu = optax.tree.update_moment_per_elem_norm(mean_grads, nu32, b2, 2)
+      mu = guard(finite, optax.tree.update_moment(mean_grads, mu32, b1, 1), mu32)
+      nu = guard(finite, optax.tree.update_moment_per_elem_norm(mean_grads, nu32, b2, 2), nu32)
       nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
       nu_hat_l1 = sum(jnp.sum(v) for v in jax.tree.leaves(nu_hat))
       freeze_now, reference, ratio = _freeze.freeze_decision(
           policy, count_inc, nu_hat_l1, state.reference_l1, state.variance_ratio, b2)
-      return adam_direction(mu, nu_hat, False), _Step(
-          finite=jnp.all(jnp.isfinite(flat_mean)), mu=mu, nu=nu, frozen=freeze_now,
+      # m / (sqrt(v) + eps) exactly as optax.scale_by_adam (no zero mask before the freeze).
+      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+      direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+      return direction, _Step(
+          finite=finite, mu=mu, nu=nu, frozen=freeze_now,
           freeze_step=jnp.where(freeze_now, count_inc, 0).astype(jnp.int32),
           variance_ratio=ratio, reference_l1=reference,
           worker_error=state.worker_error, server_error=state.server_error,
@@ -301,42 +331,45 @@ def scale_by_onebit_adam(
 
     def compression(_):
       local_mu = optax.tree.update_moment(grads, mu32, b1, 1)
-      flat_mu, _ = ravel_pytree(local_mu)
-      flat_mu = jnp.pad(flat_mu, (0, padded - size))
-      mean_mu, worker_error, server_error = _collective.compressed_mean(
-          flat_mu, state.worker_error[0].astype(jnp.float32),
-          state.server_error[0].astype(jnp.float32), axis_name)
-      mu = unravel(mean_mu[:size])
+      worker_error = state.worker_error[0].astype(jnp.float32)
+      server_error = state.server_error[0].astype(jnp.float32)
+      mean_mu, new_worker_error, new_server_error, finite = (
+          _collective.compressed_mean_and_check(
+              _flatten(local_mu, padded), worker_error, server_error, axis_name))
+      mu = guard(finite, unravel(mean_mu[:size]), mu32)
       nu_hat = optax.tree.bias_correction(nu32, b2, state.freeze_step)
-      return adam_direction(mu, nu_hat, True), _Step(
-          finite=jnp.all(jnp.isfinite(mean_mu)), mu=mu, nu=nu32, frozen=state.frozen,
+      mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
+      # A coordinate whose frozen variance is 0 never had a gradient: its momentum
+      # is only sign noise from the compressor, which 1/(0 + eps) would amplify.
+      direction = jax.tree.map(
+          lambda m, v: jnp.where(v > 0, m / (jnp.sqrt(v) + eps), 0.0), mu_hat, nu_hat)
+      return direction, _Step(
+          finite=finite, mu=mu, nu=nu32, frozen=state.frozen,
           freeze_step=state.freeze_step, variance_ratio=state.variance_ratio,
           reference_l1=state.reference_l1,
-          worker_error=worker_error[None].astype(error_dtype),
-          server_error=server_error[None].astype(error_dtype),
+          worker_error=guard(finite, new_worker_error, worker_error)[None].astype(error_dtype),
+          server_error=guard(finite, new_server_error, server_error)[None].astype(error_dtype),
           wire_bytes=jnp.float32(_collective.compressed_wire_bytes(padded, n)))
 
     # The phase switch. `frozen` is computed from replicated values only, so all
     # devices agree on the branch; only the taken branch's collectives run.
     direction, step = jax.lax.cond(state.frozen, compression, warmup, None)
 
-    # `step.finite` is read off the replicated mean, which every device's
-    # gradient reaches, so all devices agree on it without another collective.
+    # The large buffers were already guarded inside the branches; the scalars here.
     apply = step.finite if skip_nonfinite else jnp.bool_(True)
-    keep = lambda new, old: jax.tree.map(
-        lambda a, b: jnp.where(apply, a.astype(b.dtype), b), new, old)
+    pick = lambda new, old: jnp.where(apply, new, old)
     new_state = ScaleByOnebitAdamState(
-        count=jnp.where(apply, count_inc, state.count),
-        mu=keep(step.mu, state.mu),
-        nu=keep(step.nu, state.nu),
-        frozen=jnp.where(apply, step.frozen, state.frozen),
-        freeze_step=jnp.where(apply, step.freeze_step, state.freeze_step),
-        variance_ratio=jnp.where(apply, step.variance_ratio, state.variance_ratio),
-        reference_l1=jnp.where(apply, step.reference_l1, state.reference_l1),
+        count=pick(count_inc, state.count),
+        mu=jax.tree.map(lambda m, old: m.astype(old.dtype), step.mu, state.mu),
+        nu=jax.tree.map(lambda v, old: v.astype(old.dtype), step.nu, state.nu),
+        frozen=pick(step.frozen, state.frozen),
+        freeze_step=pick(step.freeze_step, state.freeze_step),
+        variance_ratio=pick(step.variance_ratio, state.variance_ratio),
+        reference_l1=pick(step.reference_l1, state.reference_l1),
         wire_bytes=step.wire_bytes,
         skipped_steps=state.skipped_steps + jnp.where(apply, 0, 1).astype(jnp.int32),
-        worker_error=keep(step.worker_error, state.worker_error),
-        server_error=keep(step.server_error, state.server_error),
+        worker_error=step.worker_error,
+        server_error=step.server_error,
     )
     new_updates = jax.tree.map(
         lambda d, g: jnp.where(apply, d, 0.0).astype(jnp.result_type(g)), direction, updates)
