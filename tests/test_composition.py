@@ -118,6 +118,9 @@ def _shard_map_training(mesh, tx, params, x, y):
   with _CountCompiles() as compiles:
     for _ in range(STEPS):
       params, opt_state, _ = step(params, opt_state, x, y)
+      # One step in flight: queued 8-device steps can trip XLA:CPU's 40 s
+      # collective rendezvous abort on a busy machine.
+      jax.block_until_ready((params, opt_state))
       history.append(params)
       states.append(opt_state)
   return history, states, len(traces), compiles.count

@@ -295,8 +295,8 @@ def test_inject_hyperparams_learning_rate_edit_is_honoured(mesh):
 
   for t in range(1, K + 4):
     if t in (2, K + 2):  # one warmup step, one compression step
-      full, _ = step(params, with_lr(state, LR), x, y)
-      half, _ = step(params, with_lr(state, LR / 2), x, y)
+      full, _ = jax.block_until_ready(step(params, with_lr(state, LR), x, y))
+      half, _ = jax.block_until_ready(step(params, with_lr(state, LR / 2), x, y))
       for name in ("w", "b"):
         delta_full = np.asarray(full[name]) - np.asarray(params[name])
         delta_half = np.asarray(half[name]) - np.asarray(params[name])

@@ -194,7 +194,8 @@ def test_error_feedback_8_devices_shard_map():
             jax.device_put(np.zeros((N, PADDED // N), np.float32),
                            NamedSharding(mesh, P("data"))))
 
-  outputs, worker_error, server_error = run(True)
+  # Waited for before the next 8-device program is queued (XLA:CPU rendezvous abort).
+  outputs, worker_error, server_error = jax.block_until_ready(run(True))
   no_feedback_outputs, _, _ = run(False)
   errors = _running_mean_errors(outputs, target)
   _check_converges_like_one_over_k(errors, _running_mean_errors(no_feedback_outputs, target))

@@ -311,8 +311,10 @@ def test_replicas_bitwise_identical_after_100_compression_steps():
   x_dev = jax.device_put(x, NamedSharding(mesh, P("data")))
   y_dev = jax.device_put(y, NamedSharding(mesh, P("data")))
   for _ in range(num_steps):
-    params, opt_state = shard_map_step(params, opt_state, x_dev, y_dev)
-    pmap_params, pmap_state = pmap_step(pmap_params, pmap_state, x, y)
+    # Each step waited for: queued 8-device steps can trip XLA:CPU's 40 s
+    # collective rendezvous abort on a busy machine.
+    params, opt_state = jax.block_until_ready(shard_map_step(params, opt_state, x_dev, y_dev))
+    pmap_params, pmap_state = jax.block_until_ready(pmap_step(pmap_params, pmap_state, x, y))
 
   for state in (opt_state[0], pmap_state[0]):
     assert bool(np.all(np.asarray(state.frozen)))
