@@ -223,7 +223,9 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, header: list
       f"The {n} ranks run at the same time on the same cores, each on its own 1-device mesh "
       "(the collectives vanish), so contention for the CPU is as in the networked runs. "
       "For 1-bit Adam this is a 1-device cluster: the rank also compresses the whole vector as "
-      f"\"server\" (in the {n}-rank run it serves 1/{n} of it), so t_compress is an upper bound.",
+      f"\"server\" (in the {n}-rank run it serves 1/{n} of it), so t_compress is an upper bound. "
+      "Adam's compute skips the pmean; 1-bit warmup keeps the package's 1-participant "
+      "all-reduce (a copy XLA does not remove).",
       "",
       "| step | median s/step (rank 0) | repeats min-max | x Adam |",
       "|---|---:|---:|---:|",
@@ -478,9 +480,12 @@ def _loopback_bandwidth() -> dict:
 
 
 def _git_commit() -> str:
+  """Short commit of the checkout, with '+ uncommitted onebit_optax changes' if any."""
   try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=HERE, check=True).stdout.strip()
+    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
+                                    cwd=HERE, check=True).stdout.strip()
+    dirty = run("status", "--porcelain", "--", "../onebit_optax")
+    return run("rev-parse", "--short", "HEAD") + (" + uncommitted onebit_optax changes" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
 

@@ -471,9 +471,12 @@ def main():
 
 
 def _git_commit() -> str:
+  """Short commit of the checkout, with '+ uncommitted onebit_optax changes' if any."""
   try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).parent, check=True).stdout.strip()
+    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, check=True).stdout.strip()
+    dirty = run("status", "--porcelain", "--", "../onebit_optax")
+    return run("rev-parse", "--short", "HEAD") + (" + uncommitted onebit_optax changes" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
 
