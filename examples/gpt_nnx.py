@@ -31,15 +31,15 @@ Three things make 1-bit Adam work with NNX (see ``build_steps``):
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import time
 
-if __name__ == "__main__":  # Simulated devices: must be set before JAX starts.
-  try:
-    from examples import _data
-  except ImportError:  # run as `python examples/gpt_nnx.py`
-    import _data
+try:
+  from examples import _data
+except ImportError:  # run as a script: python examples/gpt_nnx.py
+  import _data
+
+if __name__ == "__main__":  # Simulated CPU devices: XLA reads the flag when JAX starts.
   _data.force_host_devices(sys.argv[1:])
 
 import jax
@@ -51,11 +51,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 import onebit_optax
-
-try:
-  from examples import _data
-except ImportError:
-  import _data
 
 AXIS = "data"
 
@@ -281,10 +276,11 @@ def main(argv=None) -> dict:
 
 def summary_line(r: dict) -> str:
   saving = r["allreduce_bytes_per_device"] / max(r["bytes_per_device"], 1.0)
+  wire = "fp32 all-reduce" if r["optimizer"] != "onebit" else f"{saving:.1f}x less than Adam"
   return (f"[{r['example']}] {r['optimizer']}: val loss {r['initial_val_loss']:.4f} -> "
           f"{r['val_loss']:.4f} after {r['steps']} steps | freeze step {r['freeze_step']} | "
           f"sent {r['bytes_total'] / 1e6:.2f} MB over {r['devices']} devices "
-          f"({r['bytes_per_device'] / 1e6:.2f} MB each, {saving:.1f}x less than fp32 all-reduce) "
+          f"({r['bytes_per_device'] / 1e6:.2f} MB each, {wire}) "
           f"| {r['num_params']} params | {r['wall_time_s']:.1f} s")
 
 

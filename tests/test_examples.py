@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import onebit_optax
+from examples import _data
 from examples import bert_linen
 from examples import gpt_nnx
 
@@ -89,7 +90,8 @@ def test_nnx_optimizer_state_is_sharded_like_state_partition_specs():
   """The filter-based nnx.StateSharding agrees with onebit_optax.state_partition_specs."""
   mesh = jax.make_mesh((DEVICES,), ("data",))
   args = gpt_nnx.parse_args(TINY + ["--optimizer", "onebit"])
-  model = gpt_nnx.CharTransformer(103, d_model=32, num_layers=1, num_heads=2, block_size=16,
+  vocab_size = _data.load_corpus().vocab_size
+  model = gpt_nnx.CharTransformer(vocab_size, d_model=32, num_layers=1, num_heads=2, block_size=16,
                                   rngs=nnx.Rngs(0))  # TINY's shapes: the init ops are compiled.
   create_optimizer, _, _ = gpt_nnx.build_steps(mesh, gpt_nnx.make_optimizer(args), onebit=True)
   state = nnx.as_pure(create_optimizer(model).opt_state)
