@@ -9,13 +9,13 @@ out). The state is a plain ``flax.training.train_state.TrainState``; each of the
 
     python examples/bert_linen.py                       # 1-bit Adam, variance-ratio freeze
     python examples/bert_linen.py --optimizer adamw     # the full-precision baseline
-    python examples/bert_linen.py --freeze-step 300     # the paper's fixed freeze (20% of the run)
+    python examples/bert_linen.py --freeze-step 300     # fixed freeze at 20% of the run
     python examples/bert_linen.py --d-model 256 --layers 4 --block-size 128 --steps 5000
 
 The masked-LM's gradient variance keeps growing while the model learns (by
 5-30% per 100 steps in the default 1500-step run), so the default
 variance-ratio policy may not find it stable and then never compresses: that
-run is AdamW. The paper, like DeepSpeed, freezes BERT at a fixed step
+run is AdamW. DeepSpeed's BERT recipes freeze at a fixed step
 (15-25% of the run): pass ``--freeze-step``.
 
 What 1-bit Adam needs from a linen training loop (see ``main`` and ``build_steps``):
