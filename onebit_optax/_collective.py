@@ -196,17 +196,21 @@ def compressed_mean(
     (Algorithm 1 and Section 4.2).
   """
   mean, new_worker_error, new_server_error, _ = compressed_mean_and_check(
-      x, worker_error, server_error, axis_name)
+      x, worker_error, server_error, axis_name, keep_errors_if_nonfinite=False)
   return mean, new_worker_error, new_server_error
 
 
-def compressed_mean_and_check(x, worker_error, server_error, axis_name):
+def compressed_mean_and_check(x, worker_error, server_error, axis_name, *,
+                              keep_errors_if_nonfinite: bool):
   """:func:`compressed_mean`, plus whether the result is finite on every device.
 
   The flag is read off the gathered server scales (n scalars): a NaN or Inf in any
   device's input makes its scale non-finite, hence every server's average and
   scale, and every device sees the same gathered scales. So it is free, and
-  agreed across devices without another collective.
+  agreed across devices without another collective. With
+  ``keep_errors_if_nonfinite`` the old error buffers are returned when the flag
+  is False; the residuals are computed after the flag is known, so that choice
+  costs no extra pass over the buffers.
   """
   n = axis_size(axis_name, caller="compressed_mean")
   x = jnp.asarray(x)
@@ -231,7 +235,6 @@ def compressed_mean_and_check(x, worker_error, server_error, axis_name):
   # chunk r of the packed signs, with its scale, to device r.
   u = x + worker_error
   packed, scale = _compressor.sign_compress(u)
-  new_worker_error = _sign_residual(u, scale)
   rows = packed.reshape(n, chunk // 8)
   rows = jnp.concatenate([rows, jnp.broadcast_to(_to_bytes(scale), (n, _SCALE_BYTES))], 1)
   if axis_name is not None:
@@ -251,7 +254,6 @@ def compressed_mean_and_check(x, worker_error, server_error, axis_name):
   # feedback and share it with everyone.
   w = chunk_mean + server_error
   server_packed, server_scale = _compressor.sign_compress(w)
-  new_server_error = _sign_residual(w, server_scale)
   message = jnp.concatenate([server_packed, _to_bytes(server_scale)])
   if axis_name is None:
     gathered = message[None]
@@ -262,4 +264,9 @@ def compressed_mean_and_check(x, worker_error, server_error, axis_name):
   server_scales = _from_bytes(gathered[:, chunk // 8:])
   mean = _compressor.sign_decompress(gathered[:, :chunk // 8], server_scales, chunk)
   finite = jnp.all(jnp.isfinite(server_scales))
+  new_worker_error = _sign_residual(u, scale)
+  new_server_error = _sign_residual(w, server_scale)
+  if keep_errors_if_nonfinite:
+    new_worker_error = jnp.where(finite, new_worker_error, worker_error)
+    new_server_error = jnp.where(finite, new_server_error, server_error)
   return mean.reshape(d), new_worker_error, new_server_error, finite

@@ -96,16 +96,18 @@ def _check_params(params) -> tuple[int, Any]:
 def _flatten(tree, length: int) -> jax.Array:
   """The leaves of ``tree`` as one float32 vector, zero-padded to ``length``.
 
-  Same order as ``ravel_pytree``. Written leaf by leaf with dynamic_update_slice:
-  XLA:CPU turns a concatenate into a per-element choice between operands inside
-  every consumer, which is several times slower than plain copies.
+  Same order as ``ravel_pytree``. XLA:CPU fuses a concatenate (or pad, or
+  dynamic_update_slice) into its producers and consumers as a per-element choice
+  between operands, 5-10x slower per element than a copy; fenced by
+  ``optimization_barrier`` it stays one plain copy (measured 3x faster at 10M
+  parameters in benchmarks/optimizer_compute.py).
   """
-  flat = jnp.zeros((length,), jnp.float32)
-  offset = 0
-  for leaf in jax.tree.leaves(tree):
-    flat = jax.lax.dynamic_update_slice(flat, jnp.ravel(leaf).astype(jnp.float32), (offset,))
-    offset += leaf.size
-  return flat
+  leaves = [jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)]
+  size = sum(x.size for x in leaves)
+  if size < length:
+    leaves.append(jnp.zeros((length - size,), jnp.float32))
+  leaves = jax.lax.optimization_barrier(leaves)
+  return jax.lax.optimization_barrier(jnp.concatenate(leaves))
 
 
 def _unraveler(tree):
@@ -335,7 +337,8 @@ def scale_by_onebit_adam(
       server_error = state.server_error[0].astype(jnp.float32)
       mean_mu, new_worker_error, new_server_error, finite = (
           _collective.compressed_mean_and_check(
-              _flatten(local_mu, padded), worker_error, server_error, axis_name))
+              _flatten(local_mu, padded), worker_error, server_error, axis_name,
+              keep_errors_if_nonfinite=skip_nonfinite))
       mu = guard(finite, unravel(mean_mu[:size]), mu32)
       nu_hat = optax.tree.bias_correction(nu32, b2, state.freeze_step)
       mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
@@ -347,8 +350,8 @@ def scale_by_onebit_adam(
           finite=finite, mu=mu, nu=nu32, frozen=state.frozen,
           freeze_step=state.freeze_step, variance_ratio=state.variance_ratio,
           reference_l1=state.reference_l1,
-          worker_error=guard(finite, new_worker_error, worker_error)[None].astype(error_dtype),
-          server_error=guard(finite, new_server_error, server_error)[None].astype(error_dtype),
+          worker_error=new_worker_error[None].astype(error_dtype),
+          server_error=new_server_error[None].astype(error_dtype),
           wire_bytes=jnp.float32(_collective.compressed_wire_bytes(padded, n)))
 
     # The phase switch. `frozen` is computed from replicated values only, so all
