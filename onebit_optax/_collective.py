@@ -267,6 +267,9 @@ def compressed_mean_and_check(x, worker_error, server_error, axis_name, *,
   new_worker_error = _sign_residual(u, scale)
   new_server_error = _sign_residual(w, server_scale)
   if keep_errors_if_nonfinite:
-    new_worker_error = jnp.where(finite, new_worker_error, worker_error)
-    new_server_error = jnp.where(finite, new_server_error, server_error)
+    # A cond, not a select: the predicate is agreed across devices, and the
+    # usual (finite) branch then costs no extra pass over the buffers.
+    new_worker_error, new_server_error = jax.lax.cond(
+        finite, lambda: (new_worker_error, new_server_error),
+        lambda: (worker_error, server_error))
   return mean.reshape(d), new_worker_error, new_server_error, finite
