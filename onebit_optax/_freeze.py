@@ -27,12 +27,13 @@ class VarianceRatioFreeze(NamedTuple):
   Example:
     >>> import onebit_optax
     >>> onebit_optax.VarianceRatioFreeze(threshold=0.96, interval=None, min_steps=0)
-    VarianceRatioFreeze(threshold=0.96, interval=None, min_steps=0)
+    VarianceRatioFreeze(threshold=0.96, interval=None, min_steps=0, max_steps=None)
   """
 
   threshold: float
   interval: Optional[int]
   min_steps: int
+  max_steps: Optional[int] = None
 
 
 class FixedStepFreeze(NamedTuple):
@@ -64,6 +65,7 @@ def variance_ratio_freeze(
     *,
     threshold: float = 0.96,
     interval: Optional[int] = None,
+    max_steps: Optional[int] = None,
 ) -> VarianceRatioFreeze:
   r"""Freezes the variance when its norm changes by less than ``1 - threshold`` per interval.
 
@@ -96,6 +98,9 @@ def variance_ratio_freeze(
     min_steps: never freeze before this step (use at least the LR warmup length).
     threshold: :math:`\tau` in (0, 1]; the paper uses 0.96.
     interval: :math:`\Delta` in steps; ``None`` means :math:`\mathrm{round}(1/(1-\beta_2))`.
+    max_steps: freeze at this step at the latest, stable or not (``None``: no
+      limit). A variance that keeps drifting (seen in the BERT-style example)
+      otherwise means the run never compresses.
 
   Returns:
     A policy to pass as ``freeze=`` to :func:`onebit_adam`.
@@ -103,7 +108,7 @@ def variance_ratio_freeze(
   Example:
     >>> import onebit_optax
     >>> onebit_optax.variance_ratio_freeze(min_steps=500, interval=100)
-    VarianceRatioFreeze(threshold=0.96, interval=100, min_steps=500)
+    VarianceRatioFreeze(threshold=0.96, interval=100, min_steps=500, max_steps=None)
 
   References:
     Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, 2021, Section 6.
@@ -114,8 +119,13 @@ def variance_ratio_freeze(
     raise ValueError(f"interval must be a positive number of steps, got {interval}.")
   if int(min_steps) < 0:
     raise ValueError(f"min_steps must be >= 0, got {min_steps}.")
+  if max_steps is not None and int(max_steps) < max(1, int(min_steps)):
+    raise ValueError(
+        f"max_steps={max_steps} must be >= 1 and >= min_steps={min_steps}: it is the "
+        "latest step at which the variance freezes.")
   return VarianceRatioFreeze(
-      float(threshold), None if interval is None else int(interval), int(min_steps))
+      float(threshold), None if interval is None else int(interval), int(min_steps),
+      None if max_steps is None else int(max_steps))
 
 
 def fixed_step_freeze(step: int, *, interval: Optional[int] = None) -> FixedStepFreeze:
@@ -183,4 +193,6 @@ def freeze_decision(policy: FreezePolicy, count, nu_hat_l1, reference_l1, ratio,
   else:
     stable = (measured >= policy.threshold) & (measured <= 1.0 / policy.threshold)
     freeze_now = is_check & has_reference & (count >= policy.min_steps) & stable
+    if policy.max_steps is not None:
+      freeze_now = freeze_now | (count >= policy.max_steps)
   return freeze_now, new_reference, new_ratio

@@ -469,6 +469,11 @@ def _find_state(opt_state) -> ScaleByOnebitAdamState:
   return found[0]
 
 
+def _plain(x):
+  """The array inside a Flax NNX variable (``nnx.Optimizer`` wraps its state), else ``x``."""
+  return x.value if hasattr(x, "value") and not isinstance(x, jax.Array) else x
+
+
 def is_frozen(opt_state) -> jax.Array:
   """True once the variance is frozen (compression phase). Accepts any state containing one.
 
@@ -486,7 +491,7 @@ def is_frozen(opt_state) -> jax.Array:
     >>> bool(onebit_optax.is_frozen(tx.init({'w': jnp.ones(2)})))
     False
   """
-  return _find_state(opt_state).frozen
+  return _plain(_find_state(opt_state).frozen)
 
 
 def freeze_step(opt_state) -> jax.Array:
@@ -506,7 +511,7 @@ def freeze_step(opt_state) -> jax.Array:
     >>> int(onebit_optax.freeze_step(tx.init({'w': jnp.ones(2)})))
     0
   """
-  return _find_state(opt_state).freeze_step
+  return _plain(_find_state(opt_state).freeze_step)
 
 
 def variance_ratio(opt_state) -> jax.Array:
@@ -527,7 +532,7 @@ def variance_ratio(opt_state) -> jax.Array:
     >>> float(onebit_optax.variance_ratio(tx.init({'w': jnp.ones(2)})))
     nan
   """
-  return _find_state(opt_state).variance_ratio
+  return _plain(_find_state(opt_state).variance_ratio)
 
 
 def wire_bytes(opt_state) -> jax.Array:
@@ -549,7 +554,7 @@ def wire_bytes(opt_state) -> jax.Array:
     >>> float(onebit_optax.wire_bytes(tx.init({'w': jnp.ones(2)})))
     0.0
   """
-  return _find_state(opt_state).wire_bytes
+  return _plain(_find_state(opt_state).wire_bytes)
 
 
 def skipped_steps(opt_state) -> jax.Array:
@@ -571,4 +576,4 @@ def skipped_steps(opt_state) -> jax.Array:
     >>> int(onebit_optax.skipped_steps(state))
     1
   """
-  return _find_state(opt_state).skipped_steps
+  return _plain(_find_state(opt_state).skipped_steps)

@@ -227,3 +227,28 @@ def test_fixed_step_freeze_validation(step):
     onebit_optax.fixed_step_freeze(step)
   with pytest.raises(ValueError, match=r"interval"):
     onebit_optax.fixed_step_freeze(3, interval=0)
+
+
+def test_max_steps_freezes_a_drifting_variance():
+  """A variance that grows 10% per interval never looks stable; max_steps bounds the warmup."""
+  tx = onebit_optax.scale_by_onebit_adam(
+      b2=0.9, axis_name=None,
+      freeze=onebit_optax.variance_ratio_freeze(interval=5, max_steps=37))
+  params = {"w": jnp.ones(4)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  frozen_at = None
+  for t in range(1, 60):
+    grads = {"w": jnp.full(4, 1.1 ** (t / 5.0 * 0.5))}  # E[g^2] grows 10% per 5 steps
+    _, state = step(grads, state)
+    if frozen_at is None and bool(onebit_optax.is_frozen(state)):
+      frozen_at = t
+  assert frozen_at == 37
+  assert int(onebit_optax.freeze_step(state)) == 37
+  ratio = float(onebit_optax.variance_ratio(state))
+  assert ratio > 1 / 0.96  # it was never in the band
+
+
+def test_max_steps_validation():
+  with pytest.raises(ValueError, match="max_steps"):
+    onebit_optax.variance_ratio_freeze(min_steps=10, max_steps=5)
