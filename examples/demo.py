@@ -250,7 +250,6 @@ def make_eval(mesh):
 def train(name: str, args, mesh, data, lr_warmup: int):
   """Trains one optimizer from the shared seed; returns a dict of results."""
   train_ids, val_ids, vocab = data
-  n = mesh.shape[AXIS]
   onebit = name == "onebit"
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=lr_warmup, decay_steps=args.steps,

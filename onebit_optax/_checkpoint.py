@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 from onebit_optax import _compressor
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
-from onebit_optax._sharding import state_partition_specs
+from onebit_optax import _sharding
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "abstract_state"]
 
@@ -146,13 +146,7 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
         jax.eval_shape(tx.init, params))
-  if axis_name not in mesh.axis_names:
-    raise ValueError(
-        f"abstract_state: axis_name={axis_name!r} is not an axis of the mesh "
-        f"{dict(mesh.shape)}; pass the data-parallel axis the optimizer was built with.")
-  local = jax.eval_shape(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False), params)
-  specs = state_partition_specs(local, axis_name)
+  specs = _sharding.state_specs_for(tx, params, mesh, axis_name, caller="abstract_state")
   shapes = jax.eval_shape(
       jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs, check_vma=False), params)
   return jax.tree.map(

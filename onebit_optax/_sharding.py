@@ -93,6 +93,19 @@ def state_partition_specs(opt_state, axis_name: Hashable):
       spec, opt_state, is_leaf=lambda x: isinstance(x, ScaleByOnebitAdamState))
 
 
+def state_specs_for(tx, params, mesh: Mesh, axis_name: Hashable, *, caller: str):
+  """PartitionSpecs of the state ``tx.init(params)`` makes under ``shard_map`` on ``mesh``."""
+  if axis_name not in mesh.axis_names:
+    raise ValueError(
+        f"{caller}: axis_name={axis_name!r} is not an axis of the mesh "
+        f"{dict(mesh.shape)}; pass the data-parallel axis the optimizer was built with.")
+  # One abstract trace with replicated outputs gives the state's structure; the
+  # specs then say which leaves are per device.
+  abstract = jax.eval_shape(
+      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False), params)
+  return state_partition_specs(abstract, axis_name)
+
+
 def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
   """Runs ``tx.init(params)`` under ``shard_map`` and returns a correctly sharded state.
 
@@ -121,15 +134,7 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
   References:
     `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
   """
-  if axis_name not in mesh.axis_names:
-    raise ValueError(
-        f"init_sharded: axis_name={axis_name!r} is not an axis of the mesh "
-        f"{dict(mesh.shape)}; pass the data-parallel axis the optimizer was built with.")
-  # One abstract trace with replicated outputs gives the state's structure; the
-  # specs then say which leaves are per device.
-  abstract = jax.eval_shape(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False), params)
-  specs = state_partition_specs(abstract, axis_name)
+  specs = state_specs_for(tx, params, mesh, axis_name, caller="init_sharded")
   # Host arrays are cast to their JAX dtype first: on a multi-process mesh,
   # device_put checks that every process passed the same value by comparing the
   # host array with the device copies, which fails for float64 numpy with x64 off.
