@@ -97,7 +97,9 @@ class Config:
   ratio_threshold: float = 0.96
   ratio_interval: int | None = None  # None: the core's default, round(1/(1-b2)).
   shift_frac: float = 0.5
-  shift_from: str = "onebit_fixed"  # which 1-bit run the corpus-shift branch continues.
+  # The 1-bit runs that (besides AdamW) get a corpus-shift branch: (b) froze v on
+  # its plateau, (c) froze it earlier, while it was still growing.
+  shift_from: tuple[str, ...] = ("onebit_ratio", "onebit_fixed")
   val_seqs_periodic: int = 256  # periodic evals use this many windows; the final eval uses all.
   seed: int = 0
   shadow_b2: float = 0.999  # second, unused EMA of the mean g^2 in run (a), for the offline study.
@@ -349,13 +351,14 @@ class Trainer:
       # global factor (local gradients are noisier than the mean gradient, by an
       # amount that drifts as training goes on) moves every log ratio alike and
       # leaves the spread unchanged; a preconditioner that has the wrong *shape*
-      # for the current gradients widens it.
+      # for the current gradients widens it. Interquartile range (/1.349, the
+      # standard deviation of a normal), so that a few hundred coordinates of rare
+      # bytes with a nearly-zero nu_hat cannot dominate it.
       valid = alive & (v_local > 0)
       log_ratio = jnp.where(valid, jnp.log(jnp.where(valid, v_local, 1.0)
-                                           / jnp.where(valid, nu_hat, 1.0)), 0.0)
-      count = jnp.maximum(jnp.sum(valid), 1)
-      mean = jnp.sum(log_ratio) / count
-      spread = jnp.sqrt(jnp.sum(jnp.where(valid, jnp.square(log_ratio - mean), 0.0)) / count)
+                                           / jnp.where(valid, nu_hat, 1.0)), jnp.nan)
+      q75, q25 = jnp.nanpercentile(log_ratio, jnp.array([75.0, 25.0]))
+      spread = (q75 - q25) / 1.349
       return jnp.stack([l1_ratio, median_ratio, dead_active, spread])[None]
 
     return probe
@@ -420,17 +423,21 @@ class Trainer:
 # The freeze criterion, replayed offline.
 
 
-def first_freeze(l1: np.ndarray, interval: int, threshold: float, min_steps: int) -> int | None:
+def first_freeze(l1: np.ndarray, interval: int, threshold: float, min_steps: int,
+                 patience: int = 1) -> int | None:
   """The step at which ``variance_ratio_freeze`` would fire, given ``||v_hat_t||_1`` for t=1..T.
 
-  Exactly the rule of onebit_optax/_freeze.py (freeze_decision): checks at
-  t = k*interval only; the reference is ||v_hat||_1 at the previous check (the
-  first check, t = interval, only records it); fire at the first check with
-  t >= min_steps and threshold <= ratio <= 1/threshold.
+  With ``patience=1``, exactly the rule of onebit_optax/_freeze.py
+  (freeze_decision): checks at t = k*interval only; the reference is ||v_hat||_1
+  at the previous check (the first check, t = interval, only records it); fire
+  at the first check with t >= min_steps and threshold <= ratio <= 1/threshold.
+  ``patience=k`` (not in the core) asks for k consecutive checks in the band.
   """
+  in_band = 0
   for t in range(2 * interval, len(l1) + 1, interval):
     ratio = l1[t - 1] / l1[t - interval - 1]
-    if t >= min_steps and threshold <= ratio <= 1.0 / threshold:
+    in_band = in_band + 1 if threshold <= ratio <= 1.0 / threshold else 0
+    if t >= min_steps and in_band >= patience:
       return t
   return None
 
@@ -440,14 +447,26 @@ def ratio_study(l1, steps, lr_warmup, intervals, thresholds, allreduce, compress
   for interval in intervals:
     for threshold in thresholds:
       for min_steps in (0, lr_warmup):
-        t0 = first_freeze(l1, interval, threshold, min_steps)
-        reduction = None
-        if t0 is not None:
-          reduction = steps * allreduce / (t0 * allreduce + (steps - t0) * compressed)
-        rows.append(dict(interval=interval, threshold=threshold, min_steps=min_steps,
-                         freeze_step=t0, fraction=None if t0 is None else t0 / steps,
-                         comm_reduction=reduction))
+        for patience in (1, 2):
+          t0 = first_freeze(l1, interval, threshold, min_steps, patience)
+          reduction = None
+          if t0 is not None:
+            reduction = steps * allreduce / (t0 * allreduce + (steps - t0) * compressed)
+          rows.append(dict(interval=interval, threshold=threshold, min_steps=min_steps,
+                           patience=patience, freeze_step=t0,
+                           fraction=None if t0 is None else t0 / steps,
+                           comm_reduction=reduction))
   return rows
+
+
+def describe_trajectory(l1: np.ndarray) -> dict:
+  """Where ||v_hat_t||_1 has its trough and when it reaches its late plateau."""
+  trough = int(np.argmin(l1)) + 1
+  plateau = float(np.median(l1[-len(l1) // 3:]))
+  after = np.nonzero(np.abs(l1[trough - 1:] / plateau - 1) <= 0.1)[0]
+  return dict(start=float(l1[0]), trough_step=trough, trough=float(l1[trough - 1]),
+              plateau=plateau,
+              plateau_step=None if not len(after) else int(after[0]) + trough)
 
 
 # ----------------------------------------------------------------------------
@@ -543,26 +562,40 @@ def build_report(cfg, results, study, shift, meta) -> tuple[str, dict]:
                                    "in run (a); approximate: the run itself used "
                                    f"b2 = {cfg.b2})")):
     rows = study[b2_key]
+    shape = study["trajectory_" + b2_key]
+    add(f"**{title}.** ||v_hat_t||_1 starts at {shape['start']:.3g}, falls to a trough of "
+        f"{shape['trough']:.3g} at step {shape['trough_step']}, and comes within 10% of its "
+        f"late plateau ({shape['plateau']:.3g}, median of the last third) at step "
+        f"{shape['plateau_step']}.\n")
     intervals = sorted({r["interval"] for r in rows})
     thresholds = sorted({r["threshold"] for r in rows})
-    for min_steps in (0, cfg.lr_warmup):
-      add(f"**{title}, min_steps = {min_steps}**\n")
-      add("| Δ \\ τ | " + " | ".join(f"{t}" for t in thresholds) + " |")
-      add("|---|" + "---|" * len(thresholds))
-      for interval in intervals:
-        cells = []
-        for t in thresholds:
-          r = next(r for r in rows if r["interval"] == interval and r["threshold"] == t
-                   and r["min_steps"] == min_steps)
-          cells.append("—" if r["freeze_step"] is None else
-                       f"{r['freeze_step']} ({r['fraction']:.0%}; {r['comm_reduction']:.1f}x)")
-        add(f"| {interval} | " + " | ".join(cells) + " |")
-      add("")
+    pick = lambda interval, t, m, k: next(
+        r for r in rows if r["interval"] == interval and r["threshold"] == t
+        and r["min_steps"] == m and r["patience"] == k)
+    same = all(pick(i, t, 0, k)["freeze_step"] == pick(i, t, cfg.lr_warmup, k)["freeze_step"]
+               for i in intervals for t in thresholds for k in (1, 2))
+    for patience in (1, 2):
+      for min_steps in ((cfg.lr_warmup,) if same else (0, cfg.lr_warmup)):
+        what = ("the core's rule" if patience == 1 else
+                "variant NOT in the core: two consecutive checks in the band")
+        ms = (f"min_steps = {min_steps}" + (" (min_steps = 0 gives the same table)"
+                                            if same else ""))
+        add(f"{title}, {what}, {ms}:\n")
+        add("| Δ \\ τ | " + " | ".join(f"{t}" for t in thresholds) + " |")
+        add("|---|" + "---|" * len(thresholds))
+        for interval in intervals:
+          cells = []
+          for t in thresholds:
+            r = pick(interval, t, min_steps, patience)
+            cells.append("—" if r["freeze_step"] is None else
+                         f"{r['freeze_step']} ({r['fraction']:.0%}; {r['comm_reduction']:.1f}x)")
+          add(f"| {interval} | " + " | ".join(cells) + " |")
+        add("")
 
   if shift:
     add("## Corpus shift at half time: prose -> Python source\n")
-    add(f"Both runs continue from step {cfg.shift_step} of runs (a) and "
-        f"({'b' if cfg.shift_from == 'onebit_ratio' else 'c'}) on the `.py` files of the "
+    add(f"Branches of runs {', '.join(s['label'].split(' ')[0] for s in shift['runs'].values())} "
+        f"continue from step {cfg.shift_step} on the `.py` files of the "
         "standard library (same schedule). Validation loss on held-out code "
         f"({shift['val_seqs']} windows):\n")
     add("| run | val (code) at shift | +10% of run | +25% | end | end vs AdamW |")
@@ -579,7 +612,7 @@ def build_report(cfg, results, study, shift, meta) -> tuple[str, dict]:
         "devices and normalised by their value at the freeze step (AdamW: at the shift "
         "step, it has no freeze); local gradients are noisier than the mean gradient, so "
         "the raw values sit above 1 (raw value at the reference step in brackets). "
-        "`spread` = standard deviation over coordinates of log(v_local / nu_hat), not "
+        "`spread` = interquartile range / 1.349 over coordinates of log(v_local / nu_hat), not "
         "normalised (a global scale change leaves it alone; a preconditioner of the wrong "
         "shape widens it), at the reference step / before the shift / +10% / end. "
         "`dead` = coordinates with nu_hat == 0 (1-bit Adam leaves them at 0 update for "
@@ -662,19 +695,18 @@ def plot(path, cfg, results, shift, study):
     for name, row in shift["staleness"].items():
       c = colors[row["method"]]
       ls = "-" if row["shift"] else ":"
-      a.plot(row["steps"], row["l1"], color=c, ls=ls, label=f"{row['label']}: l1")
-      a.plot(row["steps"], row["median"], color=c, ls=ls, lw=0.8, marker=".", ms=3,
-             label=f"{row['label']}: median")
+      a.plot(row["steps"], row["median"], color=c, ls=ls, marker=".", ms=3, label=row["label"])
     a.axvline(cfg.shift_step, color="gray", ls="--", lw=1)
     a.set_yscale("log")
-    a.set(title="staleness: local v vs optimizer's nu_hat (normalised)", xlabel="step")
+    a.set(title="staleness: median of v_local / nu_hat (normalised at the ref step)",
+          xlabel="step")
     a.legend(fontsize=6)
     a = ax[1, 3]
     for name, row in shift["staleness"].items():
       a.plot(row["steps"], row["spread"], color=colors[row["method"]],
              ls="-" if row["shift"] else ":", label=row["label"])
     a.axvline(cfg.shift_step, color="gray", ls="--", lw=1)
-    a.set(title="staleness: std over coordinates of log(v_local / nu_hat)", xlabel="step")
+    a.set(title="staleness: spread (IQR/1.349) of log(v_local / nu_hat)", xlabel="step")
     a.legend(fontsize=7)
   a = ax[0, 3]
   steps = np.arange(1, cfg.steps + 1)
@@ -728,7 +760,7 @@ def main(argv=None):
     print(f"{method.label}", flush=True)
     trainer = Trainer(method, cfg, mesh, params)
     trainers[method.name] = trainer
-    branch = do_shift and method.name in ("adamw", cfg.shift_from)
+    branch = do_shift and (method.name == "adamw" or method.name in cfg.shift_from)
     val_sets = val_periodic if branch else {"prose": val_periodic["prose"]}
     rec, snapshot = trainer.run(prose_train, val_sets,
                                 snapshot_at=cfg.shift_step if branch else None)
@@ -764,6 +796,7 @@ def main(argv=None):
                          sorted(set(intervals) | ({1000} if cfg.steps >= 2000 else set())),
                          thresholds, allreduce, compressed),
       predicted_b=first_freeze(l1, interval_b, cfg.ratio_threshold, cfg.lr_warmup),
+      trajectory_b2=describe_trajectory(l1), trajectory_shadow=describe_trajectory(shadow),
       interval_b=interval_b)
 
   # The corpus shift.
