@@ -310,11 +310,17 @@ def scale_by_onebit_adam(
       return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
 
     def warmup(_):
-      flat_mean = _collective.full_precision_mean(_flatten(grads, size), axis_name)
-      # Read off the replicated mean, which every device's gradient reaches: all
-      # devices agree on it without another collective.
-      finite = jnp.all(jnp.isfinite(flat_mean))
-      mean_grads = unravel(flat_mean)
+      if axis_name is None:
+        # Nothing to average: skip the flatten/unflatten copies. (A mapped axis of
+        # size 1 still needs the pmean: it makes the moments replicated-typed.)
+        mean_grads = grads
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+      else:
+        flat_mean = _collective.full_precision_mean(_flatten(grads, size), axis_name)
+        # Read off the replicated mean, which every device's gradient reaches: all
+        # devices agree on it without another collective.
+        finite = jnp.all(jnp.isfinite(flat_mean))
+        mean_grads = unravel(flat_mean)
       mu = guard(finite, optax.tree.update_moment(mean_grads, mu32, b1, 1), mu32)
       nu = guard(finite, optax.tree.update_moment_per_elem_norm(mean_grads, nu32, b2, 2), nu32)
       nu_hat = optax.tree.bias_correction(nu, b2, count_inc)
