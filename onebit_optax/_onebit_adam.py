@@ -330,6 +330,7 @@ def scale_by_onebit_adam(
       # m / (sqrt(v) + eps) exactly as optax.scale_by_adam (no zero mask before the freeze).
       mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
       direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+      direction = guard(finite, direction, jax.tree.map(jnp.zeros_like, direction))
       return direction, _Step(
           finite=finite, mu=mu, nu=nu, frozen=freeze_now,
           freeze_step=jnp.where(freeze_now, count_inc, 0).astype(jnp.int32),
@@ -352,6 +353,7 @@ def scale_by_onebit_adam(
       # is only sign noise from the compressor, which 1/(0 + eps) would amplify.
       direction = jax.tree.map(
           lambda m, v: jnp.where(v > 0, m / (jnp.sqrt(v) + eps), 0.0), mu_hat, nu_hat)
+      direction = guard(finite, direction, jax.tree.map(jnp.zeros_like, direction))
       return direction, _Step(
           finite=finite, mu=mu, nu=nu32, frozen=state.frozen,
           freeze_step=state.freeze_step, variance_ratio=state.variance_ratio,
@@ -380,8 +382,8 @@ def scale_by_onebit_adam(
         worker_error=step.worker_error,
         server_error=step.server_error,
     )
-    new_updates = jax.tree.map(
-        lambda d, g: jnp.where(apply, d, 0.0).astype(jnp.result_type(g)), direction, updates)
+    # Zero on a skipped step (guarded in the branches, fused with the division).
+    new_updates = jax.tree.map(lambda d, g: d.astype(jnp.result_type(g)), direction, updates)
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
