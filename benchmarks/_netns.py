@@ -195,8 +195,13 @@ def measure_bandwidth(cluster: Cluster, python: str, nbytes: int = 100 * 2**20,
   finally:
     if server.poll() is None:
       server.kill()
+  return parse_probe(client.stdout + out)
+
+
+def parse_probe(text: str) -> dict:
+  """The ``key=value`` lines the TCP probe (``_comm_worker.py tcp-*``) prints, as floats."""
   result = {}
-  for line in (client.stdout + out).split("\n"):
+  for line in text.split("\n"):
     if "=" in line:
       k, v = line.split("=", 1)
       result[k.strip()] = float(v)

@@ -471,12 +471,7 @@ def _loopback_bandwidth() -> dict:
   finally:
     if port_probe.poll() is None:
       port_probe.kill()
-  result = {}
-  for line in (client.stdout + out).split("\n"):
-    if "=" in line:
-      k, v = line.split("=", 1)
-      result[k.strip()] = float(v)
-  return result
+  return _netns.parse_probe(client.stdout + out)
 
 
 def _git_commit() -> str:
