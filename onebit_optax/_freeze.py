@@ -52,6 +52,38 @@ class FixedStepFreeze(NamedTuple):
 FreezePolicy = Union[VarianceRatioFreeze, FixedStepFreeze]
 
 
+def _steps(name: str, value, caller: str) -> int:
+  """``value`` as a Python int, refusing anything that is not a whole number.
+
+  Accepts Python and numpy integers, integral floats (``400.0``) and concrete
+  0-d integral arrays; refuses bools, strings, ``2.7`` and traced values (a step
+  count decides the state's schedule, it must be known when the policy is built).
+  """
+  if isinstance(value, (bool, np.bool_, str, bytes, jax.core.Tracer)):
+    raise TypeError(
+        f"{caller}: {name}={value!r} must be a whole number of steps (a Python int).")
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(
+        f"{caller}: {name}={value!r} must be a whole number of steps (a Python int), "
+        f"got a {type(value).__name__}.") from None
+  if not number.is_integer():
+    raise ValueError(
+        f"{caller}: {name}={value!r} is not a whole number of steps; pass an int "
+        f"(e.g. {name}={round(number)}).")
+  return int(number)
+
+
+def _check_interval(interval, caller: str) -> Optional[int]:
+  if interval is None:
+    return None
+  interval = _steps("interval", interval, caller)
+  if interval < 1:
+    raise ValueError(f"interval must be a positive number of steps, got {interval}.")
+  return interval
+
+
 def default_interval(b2) -> jax.Array:
   r"""The default :math:`\Delta`: the time constant of the variance EMA, :math:`1/(1-\beta_2)`.
 
@@ -113,19 +145,20 @@ def variance_ratio_freeze(
   References:
     Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, 2021, Section 6.
   """
+  caller = "variance_ratio_freeze"
   if not 0.0 < float(threshold) <= 1.0:
     raise ValueError(f"threshold must be in (0, 1], got {threshold}.")
-  if interval is not None and int(interval) < 1:
-    raise ValueError(f"interval must be a positive number of steps, got {interval}.")
-  if int(min_steps) < 0:
+  interval = _check_interval(interval, caller)
+  min_steps = _steps("min_steps", min_steps, caller)
+  if min_steps < 0:
     raise ValueError(f"min_steps must be >= 0, got {min_steps}.")
-  if max_steps is not None and int(max_steps) < max(1, int(min_steps)):
-    raise ValueError(
-        f"max_steps={max_steps} must be >= 1 and >= min_steps={min_steps}: it is the "
-        "latest step at which the variance freezes.")
-  return VarianceRatioFreeze(
-      float(threshold), None if interval is None else int(interval), int(min_steps),
-      None if max_steps is None else int(max_steps))
+  if max_steps is not None:
+    max_steps = _steps("max_steps", max_steps, caller)
+    if max_steps < max(1, min_steps):
+      raise ValueError(
+          f"max_steps={max_steps} must be >= 1 and >= min_steps={min_steps}: it is the "
+          "latest step at which the variance freezes.")
+  return VarianceRatioFreeze(float(threshold), interval, min_steps, max_steps)
 
 
 def fixed_step_freeze(step: int, *, interval: Optional[int] = None) -> FixedStepFreeze:
@@ -151,28 +184,40 @@ def fixed_step_freeze(step: int, *, interval: Optional[int] = None) -> FixedStep
     DeepSpeed ``OnebitAdam`` (``freeze_step``) and its 1-bit Adam tutorial;
     Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, ICML 2021.
   """
-  if int(step) < 1:
+  caller = "fixed_step_freeze"
+  step = _steps("step", step, caller)
+  if step < 1:
     raise ValueError(
         f"fixed_step_freeze(step={step}): at least one warmup step of plain Adam is "
         "needed to estimate the variance; use step >= 1.")
-  if interval is not None and int(interval) < 1:
-    raise ValueError(f"interval must be a positive number of steps, got {interval}.")
-  return FixedStepFreeze(int(step), None if interval is None else int(interval))
+  return FixedStepFreeze(step, _check_interval(interval, caller))
 
 
 def check_policy(policy) -> FreezePolicy:
   if isinstance(policy, (VarianceRatioFreeze, FixedStepFreeze)):
     return policy
-  if isinstance(policy, int) and not isinstance(policy, bool):
+  if isinstance(policy, (int, np.integer)) and not isinstance(policy, (bool, np.bool_)):
     return fixed_step_freeze(policy)
   if (isinstance(policy, (jax.Array, np.ndarray)) and policy.shape == ()
       and jnp.issubdtype(policy.dtype, jnp.number)):
     # optax.inject_hyperparams turns an int `freeze=k` into a (traced) array.
-    return FixedStepFreeze(policy, None)
+    return _injected_step(policy)
   raise TypeError(
       f"freeze={policy!r} is not a freeze policy: pass "
       "onebit_optax.variance_ratio_freeze(min_steps=...) or "
       "onebit_optax.fixed_step_freeze(step) (an int is read as a fixed step).")
+
+
+def _injected_step(step) -> FixedStepFreeze:
+  """A fixed step given as a 0-d array (``inject_hyperparams``): checked where it can be."""
+  if not jnp.issubdtype(step.dtype, jnp.integer):
+    raise TypeError(
+        f"onebit_adam: freeze is a {step.dtype} array; a fixed freeze step must be an "
+        "integer (pass freeze=<int> to optax.inject_hyperparams).")
+  if not isinstance(step, jax.core.Tracer):
+    if _steps("freeze", np.asarray(step).item(), "onebit_adam") < 1:
+      raise ValueError(f"onebit_adam: freeze={step} must be a step >= 1.")
+  return FixedStepFreeze(step, None)
 
 
 def freeze_decision(policy: FreezePolicy, count, nu_hat_l1, reference_l1, ratio, b2):
