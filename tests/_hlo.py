@@ -2,8 +2,21 @@
 
 The communication claims of 1-bit Adam are claims about the compiled program
 (which collectives XLA emits, on which dtypes, in which branch of the phase
-switch), so the tests read them off ``jax.jit(f).lower(...).compile().as_text()``
-rather than trusting the Python code that asked for them.
+switch), so the tests read them off ``jax.jit(f).lower(...).compile()`` rather
+than trusting the Python code that asked for them.
+
+The shapes, replica groups and called computations are read from the HLO text
+(the structured module that jaxlib exposes lists instructions and opcodes, but
+not shapes on jax 0.10 nor replica groups or called computations on any
+version). ``HloModule.from_compiled`` checks the text against that structured
+module: every collective it lists must have been parsed, so a format change that
+makes the text parser skip a line fails loudly instead of hiding a collective.
+The replica groups come in three text formats, all read here:
+
+- explicit, every version: ``replica_groups={{0,1,2,3},{4,5,6,7}}``;
+- iota, ``[groups,size]<=[devices]``: ``replica_groups=[2,4]<=[8]``;
+- mesh axes, jax >= 0.12: ``replica_groups=mesh['x'=2,'y'=4] {'y'}`` (the
+  groups span the axes in braces: here 4 devices each).
 """
 
 from __future__ import annotations
@@ -94,14 +107,16 @@ class Instruction:
     """
     n = self.group_size if n is None else n
     kind, b = self.collective, self.nbytes
+    if kind in ("collective-permute", "collective-broadcast"):
+      return float(b)
+    if n is None:
+      raise ValueError(f"{self.name} does not say its group size; pass n: {self.line}")
     if kind == "all-reduce":
       return 2.0 * (n - 1) / n * b
     if kind in ("all-gather", "all-to-all"):
       return (n - 1) / n * b
     if kind == "reduce-scatter":
       return float((n - 1) * b)
-    if kind in ("collective-permute", "collective-broadcast"):
-      return float(b)
     raise ValueError(f"{self.name} is not a collective ({self.opcode}).")
 
   def __str__(self):
@@ -138,14 +153,38 @@ def _parse_shape(text: str):
   return Array(m.group(1), dims), text[m.end():]
 
 
+def _mesh_group_size(axes: str, group_axes: str, line: str) -> int:
+  """Devices per group of ``mesh['x'=2,'y'=4] {'y'}``: the product of the braced axes' sizes."""
+  sizes = {name: int(size) for name, size in re.findall(r"'([^']*)'\s*=\s*(\d+)", axes)}
+  names = re.findall(r"'([^']*)'", group_axes)
+  unknown = [n for n in names if n not in sizes]
+  if unknown or not sizes:
+    raise ValueError(f"replica_groups name axes {unknown} that the mesh {axes!r} lacks: {line}")
+  return math.prod(sizes[n] for n in names)
+
+
 def _group_size(line: str) -> Optional[int]:
-  m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+  """Devices per replica group, from any of the three text formats (module docstring).
+
+  Returns None for an instruction without groups, or with ``replica_groups={}``
+  (one group of all devices, whose number the instruction does not say).
+  Raises ValueError for a format this reader does not know, rather than
+  guessing.
+  """
+  if "replica_groups=" not in line:
+    return None
+  m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)  # explicit: {{0,1,..},{..}}
   if m:
     return len(m.group(1).split(","))
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)  # iota form: [groups, size]<=[...]
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)  # iota: [groups,size]<=[...]
   if m:
     return int(m.group(2))
-  return None
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)  # jax >= 0.12
+  if m:
+    return _mesh_group_size(m.group(1), m.group(2), line)
+  if re.search(r"replica_groups=\{\}", line):
+    return None
+  raise ValueError(f"unknown replica_groups format in: {line}")
 
 
 class HloModule:
@@ -188,6 +227,21 @@ class HloModule:
     if self.entry is None:
       raise ValueError("no ENTRY computation in the HLO text")
 
+  @classmethod
+  def from_compiled(cls, compiled) -> "HloModule":
+    """Reads ``compiled`` (a ``jax.stages.Compiled``), checked against its structured module."""
+    module = cls(compiled.as_text())
+    structured = _structured_collectives(compiled)
+    if structured is not None:
+      parsed = sorted((c, i.name, i.opcode) for c, instrs in module.computations.items()
+                      for i in instrs if i.collective)
+      if parsed != structured:
+        raise AssertionError(
+            "the HLO text parser and the compiled module disagree on the collectives: "
+            f"parsed only {sorted(set(parsed) - set(structured))}, "
+            f"module only {sorted(set(structured) - set(parsed))}")
+    return module
+
   def instructions(self, computations: Iterable[str]) -> list[Instruction]:
     return [i for c in sorted(computations) for i in self.computations[c]]
 
@@ -211,6 +265,32 @@ class HloModule:
   def conditionals(self) -> list[Instruction]:
     return [i for i in self.instructions(self.reachable([self.entry]))
             if i.opcode == "conditional"]
+
+
+def _opcode(enum_value) -> str:
+  """``HloOpcode.kAllGatherStart`` -> ``all-gather-start`` (the text's spelling)."""
+  camel = str(enum_value).rsplit(".", 1)[-1].removeprefix("k")
+  return re.sub(r"(?<!^)(?=[A-Z])", "-", camel).lower()
+
+
+def _structured_collectives(compiled) -> Optional[list[tuple[str, str, str]]]:
+  """(computation, instruction, opcode) of every collective in jaxlib's structured module.
+
+  None where this jax does not expose the module (``runtime_executable()`` is a
+  debugging API; jax 0.10 to 0.12 have it).
+  """
+  try:
+    (hlo_module,) = compiled.runtime_executable().hlo_modules()
+    computations = hlo_module.computations()
+  except (AttributeError, TypeError, ValueError):
+    return None
+  found = []
+  for comp in computations:
+    for instr in comp.instructions():
+      op = _opcode(instr.opcode)
+      if (op[:-len("-start")] if op.endswith("-start") else op) in COLLECTIVES:
+        found.append((comp.name, instr.name, op))
+  return sorted(found)
 
 
 @dataclasses.dataclass

@@ -79,8 +79,7 @@ def _compiled_hlo(mesh, model):
   x = jax.device_put(x, NamedSharding(mesh, P("data")))
   y = jax.device_put(y, NamedSharding(mesh, P("data")))
   step = _readme_step(mesh, tx, loss_fn, opt_state)
-  text = step.lower(params, opt_state, x, y).compile(FAST_CODEGEN).as_text()
-  return _hlo.HloModule(text)
+  return _hlo.HloModule.from_compiled(step.lower(params, opt_state, x, y).compile(FAST_CODEGEN))
 
 
 def _num_params(params):
@@ -183,8 +182,8 @@ def test_parser_detects_a_full_precision_gradient_allreduce(mesh):
   params = jax.device_put(params, NamedSharding(mesh, P()))
   x = jax.device_put(x, NamedSharding(mesh, P("data")))
   y = jax.device_put(y, NamedSharding(mesh, P("data")))
-  module = _hlo.HloModule(
-      step.lower(params, tx.init(params), x, y).compile(FAST_CODEGEN).as_text())
+  module = _hlo.HloModule.from_compiled(
+      step.lower(params, tx.init(params), x, y).compile(FAST_CODEGEN))
   big = _large(module.collectives(module.reachable([module.entry])))
   assert big and all(c.dtypes == {"f32"} for c in big)
   assert sum(c.size for c in big) == _num_params(params)
@@ -206,3 +205,172 @@ def test_gradients_of_replicated_params_are_rejected(mesh):
     step.lower(params, opt_state, x, y)
   message = str(excinfo.value)
   assert "replicated" in message and "local_params" in message, message
+
+
+# The HLO text reader on both text formats of the replica groups. Two literal
+# modules, as jax 0.10 and jax 0.12 print the same program (a phase switch whose
+# branches communicate, and a loss all-reduce outside it); only the replica
+# groups differ (0.12 also prints a stack-frame table before the computations).
+_HLO_JAX_0_10 = r"""
+HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[64]{0}, pred[])->(f32[64]{0}, f32[])}, num_partitions=8
+
+%region_1.0 (a.0: f32[], b.0: f32[]) -> f32[] {
+  %a.0 = f32[] parameter(0)
+  %b.0 = f32[] parameter(1)
+  ROOT %add.0 = f32[] add(%a.0, %b.0), metadata={op_name="add"}
+}
+
+%region_0.0_spmd (param.6: (f32[64])) -> (f32[64]) {
+  %param.6 = (f32[64]{0}) parameter(0)
+  %get-tuple-element.15 = f32[64]{0} get-tuple-element(%param.6), index=0
+  %psum.12 = f32[64]{0} all-reduce(%get-tuple-element.15), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%region_1.0, metadata={op_name="jit(step)/shard_map/cond/branch_0_fun/psum" stack_frame_id=17}
+  ROOT %tuple.17 = (f32[64]{0}) tuple(%psum.12)
+}
+
+%region_2.0_spmd (param.7: (f32[64])) -> (f32[64]) {
+  %param.7 = (f32[64]{0}) parameter(0)
+  %get-tuple-element.16 = f32[64]{0} get-tuple-element(%param.7), index=0
+  %bitcast.1 = u8[8]{0} bitcast(%get-tuple-element.16)
+  %all-to-all = (u8[1]{0}, u8[1]{0}, u8[1]{0}, u8[1]{0}, u8[1]{0}, /*index=5*/u8[1]{0}, u8[1]{0}, u8[1]{0}) all-to-all(%bitcast.1, %bitcast.1, %bitcast.1, %bitcast.1, %bitcast.1, /*index=5*/%bitcast.1, %bitcast.1, %bitcast.1), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, metadata={op_name="jit(step)/shard_map/cond/branch_1_fun/all_to_all"}
+  %get-tuple-element.7 = u8[1]{0} get-tuple-element(%all-to-all), index=0
+  %all_gather.2 = u8[8]{0} all-gather(%get-tuple-element.7), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/shard_map/cond/branch_1_fun/all_gather"}
+  %slice.1 = f32[1]{0} slice(%get-tuple-element.16), slice={[0:1]}
+  %all_gather.3 = f32[8]{0} all-gather(%slice.1), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %pad.1 = f32[64]{0} pad(%all_gather.3, %get-tuple-element.16), padding=0_56
+  ROOT %tuple.18 = (f32[64]{0}) tuple(%pad.1)
+}
+
+ENTRY %main.0_spmd (param: f32[64], param.1: pred[]) -> (f32[64], f32[]) {
+  %param = f32[64]{0} parameter(0), sharding={replicated}
+  %param.1 = pred[] parameter(1), sharding={replicated}
+  %wrapped_convert = s32[] convert(%param.1)
+  %tuple.15 = (f32[64]{0}) tuple(%param)
+  %conditional.1.clone = (f32[64]{0}) conditional(%wrapped_convert, %tuple.15, %tuple.15), branch_computations={%region_0.0_spmd, %region_2.0_spmd}, metadata={op_name="jit(step)/shard_map/cond" stack_frame_id=16}
+  %get-tuple-element.5 = f32[64]{0} get-tuple-element(%conditional.1.clone), index=0
+  %constant.1 = f32[] constant(0)
+  %wrapped_reduce.1 = f32[] reduce(%param, %constant.1), dimensions={0}, to_apply=%region_1.0
+  %psum.14 = f32[] all-reduce(%wrapped_reduce.1), channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%region_1.0, metadata={op_name="jit(step)/shard_map/psum" stack_frame_id=27}
+  ROOT %tuple.19 = (f32[64]{0}, f32[]) tuple(%get-tuple-element.5, %psum.14)
+}
+"""
+
+_HLO_JAX_0_12 = r"""
+HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[64]{0}, pred[])->(f32[64]{0}, f32[])}, num_partitions=8
+FileNames
+1 "/tmp/step.py"
+FunctionNames
+1 "step"
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=21 end_line=21 column=4 end_column=4}
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+
+%region_1.0 (a.0: f32[], b.0: f32[]) -> f32[] {
+  %a.0 = f32[] parameter(0)
+  %b.0 = f32[] parameter(1)
+  ROOT %add.0 = f32[] add(%a.0, %b.0), metadata={op_name="add"}
+}
+
+%region_0.0_spmd (param.6: (f32[64])) -> (f32[64]) {
+  %param.6 = (f32[64]{0}) parameter(0)
+  %get-tuple-element.15 = f32[64]{0} get-tuple-element(%param.6), index=0
+  %psum.12 = f32[64]{0} all-reduce(%get-tuple-element.15), channel_id=1, replica_groups=mesh['data'=8] {'data'}, use_global_device_ids=true, to_apply=%region_1.0, metadata={op_name="jit(step)/shard_map/cond/branch_0_fun/psum" stack_frame_id=17}
+  ROOT %tuple.17 = (f32[64]{0}) tuple(%psum.12)
+}
+
+%region_2.0_spmd (param.7: (f32[64])) -> (f32[64]) {
+  %param.7 = (f32[64]{0}) parameter(0)
+  %get-tuple-element.16 = f32[64]{0} get-tuple-element(%param.7), index=0
+  %bitcast.1 = u8[8]{0} bitcast(%get-tuple-element.16)
+  %all-to-all = (u8[1]{0}, u8[1]{0}, u8[1]{0}, u8[1]{0}, u8[1]{0}, /*index=5*/u8[1]{0}, u8[1]{0}, u8[1]{0}) all-to-all(%bitcast.1, %bitcast.1, %bitcast.1, %bitcast.1, %bitcast.1, /*index=5*/%bitcast.1, %bitcast.1, %bitcast.1), channel_id=2, replica_groups=mesh['data'=8] {'data'}, metadata={op_name="jit(step)/shard_map/cond/branch_1_fun/all_to_all"}
+  %get-tuple-element.7 = u8[1]{0} get-tuple-element(%all-to-all), index=0
+  %all_gather.2 = u8[8]{0} all-gather(%get-tuple-element.7), channel_id=3, replica_groups=mesh['data'=8] {'data'}, dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/shard_map/cond/branch_1_fun/all_gather"}
+  %slice.1 = f32[1]{0} slice(%get-tuple-element.16), slice={[0:1]}
+  %all_gather.3 = f32[8]{0} all-gather(%slice.1), channel_id=4, replica_groups=mesh['data'=8] {'data'}, dimensions={0}, use_global_device_ids=true
+  %pad.1 = f32[64]{0} pad(%all_gather.3, %get-tuple-element.16), padding=0_56
+  ROOT %tuple.18 = (f32[64]{0}) tuple(%pad.1)
+}
+
+ENTRY %main.0_spmd (param: f32[64], param.1: pred[]) -> (f32[64], f32[]) {
+  %param = f32[64]{0} parameter(0), sharding={replicated}
+  %param.1 = pred[] parameter(1), sharding={replicated}
+  %wrapped_convert = s32[] convert(%param.1)
+  %tuple.15 = (f32[64]{0}) tuple(%param)
+  %conditional.1.clone = (f32[64]{0}) conditional(%wrapped_convert, %tuple.15, %tuple.15), branch_computations={%region_0.0_spmd, %region_2.0_spmd}, metadata={op_name="jit(step)/shard_map/cond" stack_frame_id=16}
+  %get-tuple-element.5 = f32[64]{0} get-tuple-element(%conditional.1.clone), index=0
+  %constant.1 = f32[] constant(0)
+  %wrapped_reduce.1 = f32[] reduce(%param, %constant.1), dimensions={0}, to_apply=%region_1.0
+  %psum.14 = f32[] all-reduce(%wrapped_reduce.1), channel_id=5, replica_groups=mesh['data'=8] {'data'}, use_global_device_ids=true, to_apply=%region_1.0, metadata={op_name="jit(step)/shard_map/psum" stack_frame_id=27}
+  ROOT %tuple.19 = (f32[64]{0}, f32[]) tuple(%get-tuple-element.5, %psum.14)
+}
+"""
+
+
+def _summary(collectives):
+  return [(c.collective, sorted(c.dtypes), c.size, c.group_size) for c in collectives]
+
+
+@pytest.mark.parametrize("text", [_HLO_JAX_0_10, _HLO_JAX_0_12], ids=["jax-0.10", "jax-0.12"])
+def test_parser_reads_both_replica_group_formats(text):
+  phases = _hlo.split_by_phase(_hlo.HloModule(text))
+  assert phases.conditional.name == "conditional.1.clone"
+  assert _summary(phases.warmup) == [("all-reduce", ["f32"], 64, 8)]
+  assert _summary(phases.compression) == [
+      ("all-to-all", ["u8"], 8, 8), ("all-gather", ["u8"], 8, 8), ("all-gather", ["f32"], 8, 8)]
+  assert _summary(phases.outside) == [("all-reduce", ["f32"], 1, 8)]
+  # Ring model by hand, 8 devices: the f32[64] all-reduce sends 2 * 7/8 * 256 B; the
+  # all-to-all and the u8 all-gather 7/8 * 8 B each; the f32[8] all-gather 7/8 * 32 B.
+  assert _hlo.total_wire_bytes(phases.warmup) == 448
+  assert _hlo.total_wire_bytes(phases.compression) == 7 + 7 + 28
+
+
+@pytest.mark.parametrize("groups, size", [
+    ("{{0,1,2,3,4,5,6,7}}", 8),
+    ("{{0,1,2,3},{4,5,6,7}}", 4),
+    ("{{0,4},{1,5},{2,6},{3,7}}", 2),
+    ("[2,4]<=[8]", 4),
+    ("[4,2]<=[2,4]T(1,0)", 2),
+    ("mesh['data'=8] {'data'}", 8),
+    ("mesh['x'=2,'y'=4] {'y'}", 4),
+    ("mesh['x'=2,'y'=4] {'x'}", 2),
+    ("mesh['x'=2,'y'=4] {'x','y'}", 8),
+    ("{}", None),
+])
+def test_parser_group_size_of_each_format(groups, size):
+  line = (f"  %ar = f32[64]{{0}} all-reduce(%p), channel_id=1, replica_groups={groups}, "
+          "use_global_device_ids=true, to_apply=%add")
+  module = _hlo.HloModule(f"ENTRY %main (p: f32[64]) -> f32[64] {{\n{line}\n}}\n")
+  (instr,) = module.collectives([module.entry])
+  assert instr.group_size == size
+
+
+@pytest.mark.parametrize("groups", ["mesh['x'=2] {'z'}", "devices[8] {0}"])
+def test_parser_rejects_replica_groups_it_cannot_read(groups):
+  text = (f"ENTRY %main (p: f32[64]) -> f32[64] {{\n  %ar = f32[64]{{0}} all-reduce(%p), "
+          f"replica_groups={groups}, to_apply=%add\n}}\n")
+  with pytest.raises(ValueError, match="replica_groups"):
+    _hlo.HloModule(text)
+
+
+def test_from_compiled_catches_a_collective_the_text_parser_missed(mesh):
+  # The structured module of the compiled program is the safety net of the text
+  # parser: drop one collective's line from the text and from_compiled must object.
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+  def f(x):
+    return jax.lax.all_gather(x, "data", tiled=True)[:x.shape[0]] + jax.lax.pmean(x, "data")
+
+  compiled = f.lower(jax.device_put(jnp.ones((2 * N,)), NamedSharding(mesh, P("data")))).compile()
+  module = _hlo.HloModule.from_compiled(compiled)
+  assert sorted(c.collective for c in module.collectives(module.reachable([module.entry]))) == [
+      "all-gather", "all-reduce"]
+
+  class WithoutTheAllGather:
+    def as_text(self):
+      return "\n".join(l for l in compiled.as_text().splitlines() if " all-gather(" not in l)
+
+    def runtime_executable(self):
+      return compiled.runtime_executable()
+
+  with pytest.raises(AssertionError, match="all-gather"):
+    _hlo.HloModule.from_compiled(WithoutTheAllGather())
