@@ -9,9 +9,14 @@ value (±0.0, subnormals, 1e38, ±inf, NaN), as a numpy model:
   flushes subnormals to zero, so a negative subnormal encodes as +1 and adds
   nothing to the scale; and the sum of squares is float32, so the scale is
   ``inf`` once it overflows (``|x|`` around 1.8e19 and up) although the RMS
-  itself would be finite. (For a single element XLA simplifies ``sqrt(x * x)``
-  to ``|x|``: exact, neither flushed nor overflowing.) bfloat16 / float16
-  inputs are cast exactly to float32.
+  itself would be finite. The flush holds on every jax version measured (0.10.2,
+  0.11.2, 0.12.0.1) with one exception that comes from XLA's simplifier, not
+  from the compressor: for a single element, the XLA of jax 0.10 rewrites
+  ``sqrt(x * x)`` to ``|x|`` (exact: a lone subnormal keeps its value as the
+  scale, 1e-20 does not underflow, 3e19 does not overflow); from jax 0.11 on the
+  one-element scale follows the same float32 model as any other size. The model
+  asks XLA which of the two it does (``_xla_rewrites_one_element_rms``).
+  bfloat16 / float16 inputs are cast exactly to float32.
 * ``compressed_mean`` (one device, and jitted on 8 devices for a few fixed
   sizes): no crash; the mean is bitwise the same on all devices; with finite
   inputs nothing is lost (``mean = avg_i(x_i + e_i - e_i') + s - s'``, chunk by
@@ -70,10 +75,21 @@ def _model_bits(x):
   return ((x >= 0) & ~np.isnan(x)).astype(np.uint8)  # NaN >= 0 is False: bit 0
 
 
+@functools.cache
+def _xla_rewrites_one_element_rms():
+  """Whether this XLA computes sqrt(sum(x * x)) of one element as |x| (jax 0.10: yes).
+
+  A probe of the platform, not of onebit_optax: 1e-20 squared is subnormal, so
+  the float32 formula gives 0 (flushed) where the rewrite gives 1e-20.
+  """
+  rms = jax.jit(lambda v: jnp.sqrt(jnp.sum(jnp.square(v))))(jnp.full((1,), 1e-20, jnp.float32))
+  return float(rms) != 0.0
+
+
 def _model_scale(x):
   """(expected float32 scale or None when the float32 overflow point is ambiguous)."""
-  if x.size == 1:
-    # XLA simplifies sqrt(x * x) to |x| for a single element: exact, no flush, no overflow.
+  if x.size == 1 and _xla_rewrites_one_element_rms():
+    # sqrt(x * x) became |x|: exact, no flush (not even of a subnormal x), no overflow.
     return float(np.abs(np.asarray(x, np.float32).ravel()[0]))
   x = _flush(x).ravel()
   if x.size == 0:
