@@ -1,0 +1,482 @@
+"""Is the run compressing, and if not why: a summary for logs, and replica-identity checks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Hashable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from onebit_optax import _collective
+from onebit_optax import _freeze
+from onebit_optax._onebit_adam import ScaleByOnebitAdamState
+
+__all__ = ["Status", "status", "replicas_identical", "assert_replicas_identical"]
+
+_DEFAULT_B2 = 0.999  # onebit_adam's default.
+_INJECTED = tuple(
+    t for t in (getattr(optax, "InjectHyperparamsState", None),
+                getattr(optax, "InjectStatefulHyperparamsState", None)) if t is not None)
+
+
+class Status(NamedTuple):
+  """What :func:`status` reports: plain Python values, ready for a logger.
+
+  ``str(status)`` is a one-paragraph summary; ``status._asdict()`` gives the fields.
+  """
+
+  phase: str  # 'warmup' or 'compression': the phase the next step runs.
+  step: int  # optimizer steps taken (skipped steps are not counted).
+  freeze_step: Optional[int]  # last warmup step; None while warming up.
+  next_check: Optional[int]  # first step at which the policy may freeze; None once frozen.
+  variance_ratio: float  # last measured ratio of the bias-corrected variance norms (NaN before).
+  skipped_steps: int  # steps skipped for non-finite gradients, in total.
+  bytes_sent: float  # bytes this device has sent so far.
+  adam_bytes: float  # bytes a float32 all-reduce of the gradients would have sent.
+  bytes_exact: bool  # False when bytes_sent or adam_bytes is an estimate (see notes).
+  replicas_agree: bool  # the scalar fields are equal on every replica the state holds.
+  policy: str  # the freeze policy the summary was computed for.
+  reason: str  # why the run is not compressing yet ('' once frozen).
+  notes: tuple  # warnings and caveats, as sentences.
+
+  @property
+  def steps_to_next_check(self) -> Optional[int]:
+    return None if self.next_check is None else self.next_check - self.step
+
+  def __str__(self) -> str:
+    if self.phase == "compression":
+      head = f"step {self.step}: compression (froze after step {self.freeze_step})"
+    else:
+      head = f"step {self.step}: warmup, never froze: {self.reason}"
+    if self.adam_bytes > 0:
+      wire = (f"bytes/device so far {_fmt_bytes(self.bytes_sent)} vs "
+              f"{_fmt_bytes(self.adam_bytes)} for Adam "
+              f"({self.adam_bytes / max(self.bytes_sent, 1.0):.2f}x fewer)"
+              + ("" if self.bytes_exact else " (estimate)"))
+    else:
+      wire = "no communication (one device)"
+    parts = [head, f"variance ratio {self.variance_ratio:.3f}",
+             f"{self.skipped_steps} non-finite steps skipped", wire]
+    return "; ".join(parts) + "".join(f"\n  note: {n}" for n in self.notes)
+
+
+def _fmt_bytes(x: float) -> str:
+  for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if x >= size:
+      return f"{x / size:.2f} {unit}"
+  return f"{x:.0f} B"
+
+
+# ------------------------------------------------------------------ reading the state
+
+
+def _unwrap(x):
+  """The array inside a Flax NNX variable (``get_value``; ``.value`` is deprecated), else ``x``."""
+  if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+    return x
+  if hasattr(x, "get_value"):
+    return x.get_value()
+  return x[...] if hasattr(x, "__getitem__") else x
+
+
+def _find(opt_state, kind) -> list:
+  return [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kind))
+          if isinstance(s, kind)]
+
+
+def _replica_values(x, stacked: bool) -> list:
+  """The value each replica holds: rows of a ``pmap`` state, or the shards of a replicated array."""
+  x = _unwrap(x)
+  if stacked:
+    return list(np.asarray(x))
+  if isinstance(x, jax.Array) and len(x.addressable_shards) > 1 and x.is_fully_replicated:
+    return [np.asarray(shard.data) for shard in x.addressable_shards]
+  return [np.asarray(x)]
+
+
+def _agree(values) -> bool:
+  return all(np.array_equal(values[0], v, equal_nan=values[0].dtype.kind == "f")
+             for v in values[1:])
+
+
+def _policy_and_b2(opt_state, freeze, b2, stacked):
+  """The freeze policy and b2 to assume: given, else injected hyperparameters, else defaults."""
+  injected = {}
+  for inject_state in _find(opt_state, _INJECTED) if _INJECTED else ():
+    for name in ("freeze", "b2"):
+      if name in inject_state.hyperparams:
+        injected[name] = _replica_values(inject_state.hyperparams[name], stacked)[0].item()
+  assumed = freeze is None and "freeze" not in injected
+  if freeze is None:
+    freeze = injected.get("freeze")
+  policy = _freeze.check_policy(_freeze.variance_ratio_freeze() if freeze is None else freeze)
+  b2 = float(injected.get("b2", _DEFAULT_B2) if b2 is None else b2)
+  return policy, b2, assumed
+
+
+def _interval(policy, b2) -> int:
+  return int(_freeze.default_interval(b2)) if policy.interval is None else int(policy.interval)
+
+
+def _describe(policy, interval, b2) -> str:
+  if isinstance(policy, _freeze.FixedStepFreeze):
+    return f"fixed_step_freeze({int(policy.step)})"
+  delta = f"{interval}" + (f" = 1/(1-b2), b2 = {b2:g}" if policy.interval is None else "")
+  bound = f", max_steps={policy.max_steps}" if policy.max_steps is not None else ""
+  return (f"variance_ratio_freeze(threshold={policy.threshold:g}, interval Δ = {delta}, "
+          f"min_steps={policy.min_steps}{bound})")
+
+
+# ------------------------------------------------------------------ the policy's schedule
+
+
+def _next_check(policy, interval: int, step: int) -> int:
+  """The first step after ``step`` at which ``policy`` may freeze."""
+  if isinstance(policy, _freeze.FixedStepFreeze):
+    return max(int(policy.step), step + 1)
+  # A check at t = kΔ compares with t - Δ, so the first ratio exists at 2Δ.
+  first = max(2 * interval, -(-policy.min_steps // interval) * interval)
+  candidate = max(first, (step // interval + 1) * interval)
+  if policy.max_steps is not None:
+    candidate = min(candidate, max(policy.max_steps, step + 1))
+  return candidate
+
+
+def _warmup_reason(policy, interval, step, ratio, next_check) -> str:
+  """Why a state still in warmup has not frozen, in one sentence."""
+  if isinstance(policy, _freeze.FixedStepFreeze):
+    return (f"fixed_step_freeze({int(policy.step)}) compresses from step "
+            f"{int(policy.step) + 1}, {int(policy.step) - step} steps from now")
+  first = max(2 * interval, -(-policy.min_steps // interval) * interval)
+  low, high = policy.threshold, 1.0 / policy.threshold
+  if step < first and math.isnan(ratio):
+    reason = (f"the first variance-ratio check that can freeze is at step {first} "
+              f"(2Δ = {2 * interval}" + (f", min_steps = {policy.min_steps}"
+                                         if policy.min_steps > 2 * interval else "")
+              + f"), and the run is at step {step}; a shorter run never compresses: "
+              "pass variance_ratio_freeze(interval=..., max_steps=...) or fixed_step_freeze(k)")
+  elif math.isnan(ratio):
+    reason = ("the variance ratio is NaN: the variance is zero (no gradient yet) or the "
+              "gradients were not finite")
+  elif not low <= ratio <= high:
+    reason = (f"last variance ratio {ratio:.3f} is outside [{low:.3f}, {high:.3f}]: the "
+              f"variance still changes by {abs(1 - ratio):.0%} per {interval} steps")
+  elif step < policy.min_steps:
+    reason = (f"last variance ratio {ratio:.3f} is inside [{low:.3f}, {high:.3f}] but "
+              f"min_steps={policy.min_steps} is not reached")
+  else:
+    reason = f"last variance ratio {ratio:.3f} is inside [{low:.3f}, {high:.3f}]"
+  if policy.max_steps is not None:
+    reason += f"; max_steps={policy.max_steps} freezes it at the latest at step {policy.max_steps}"
+  else:
+    reason += "; no max_steps bounds the warmup"
+  return reason + f"; next chance at step {next_check}"
+
+
+def _policy_mismatch(policy, interval, step, frozen, freeze_step) -> Optional[str]:
+  """A sentence if the state could not have come from ``policy`` (the wrong one was passed)."""
+  if isinstance(policy, _freeze.FixedStepFreeze):
+    expected = int(policy.step)
+    consistent = (freeze_step == expected) if frozen else step < expected
+  elif frozen:
+    consistent = (freeze_step % interval == 0 and freeze_step >= 2 * interval) or (
+        freeze_step == policy.max_steps)
+  else:
+    consistent = policy.max_steps is None or step < policy.max_steps
+  if consistent:
+    return None
+  return ("the state does not follow this freeze policy (pass the freeze= and b2= the "
+          "optimizer was built with): the schedule above may be wrong")
+
+
+# ------------------------------------------------------------------ bytes on the wire
+
+
+def _bytes(fields, num_devices, num_params, padded):
+  """``(sent, adam, exact)``: bytes this device sent so far, Adam's, and whether both are exact.
+
+  The state keeps only the last step's bytes; the rest follows from the phase
+  lengths. Warmup steps all-reduce the padded float32 buffer; Adam all-reduces
+  the ``num_params`` gradients (estimated by the padded length when not given).
+  """
+  step, frozen, freeze_step, skipped, wire = (
+      fields[k] for k in ("count", "frozen", "freeze_step", "skipped_steps", "wire_bytes"))
+  if num_devices == 1:
+    return 0.0, 0.0, True
+  steps = step + skipped  # a skipped step still communicated.
+  exact = num_params is not None
+  adam = steps * _collective.allreduce_wire_bytes(
+      num_params if exact else padded, num_devices)
+  sent = fields.get("total_wire_bytes")
+  if sent is None and not frozen:
+    sent = steps * wire  # every step so far was the same all-reduce
+  elif sent is None:
+    # Skipped steps are charged at the current (1-bit) rate: their phase is not recorded.
+    sent = (freeze_step * _collective.allreduce_wire_bytes(padded, num_devices)
+            + (step - freeze_step + skipped) * wire)
+    exact = exact and skipped == 0
+  return float(sent), float(adam), exact
+
+
+def _num_params(params) -> Optional[int]:
+  if params is None:
+    return None
+  return int(sum(math.prod(np.shape(_unwrap(x)) if not hasattr(x, "shape") else x.shape)
+                 for x in jax.tree.leaves(params)))
+
+
+# ------------------------------------------------------------------ the summary
+
+
+_FIELDS = ("count", "frozen", "freeze_step", "variance_ratio", "skipped_steps", "wire_bytes",
+           "total_wire_bytes")
+
+
+def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params: Any = None,
+           previous: Optional[Status] = None) -> Status:
+  r"""A one-call summary of a 1-bit Adam state for logging: phase, schedule, bytes, and why not.
+
+  Reads the state on the host (call it outside ``jit``, every few hundred steps
+  or at the end of a run). Answers the question a log of losses does not: is
+  the run compressing, and if not, why (e.g. *the first variance-ratio check
+  is at step 2000, after the 400 steps of this run*, or *the last ratio 0.81 is
+  outside [0.96, 1.04]*).
+
+  The state does not record its freeze policy: pass the ``freeze=`` (and
+  ``b2=``) the optimizer was built with. Without them the summary reads them
+  from ``optax.inject_hyperparams``' state if it holds them, else assumes
+  :func:`onebit_adam`'s defaults (``variance_ratio_freeze()``, ``b2 = 0.999``)
+  and says so in ``notes``.
+
+  Args:
+    opt_state: an optimizer state containing exactly one
+      :class:`ScaleByOnebitAdamState`: from ``optax.chain``,
+      ``inject_hyperparams``, ``masked``, a ``flax.nnx.Optimizer``'s
+      ``opt_state``, a ``shard_map`` state or a ``pmap`` state (leading device
+      axis on every field).
+    freeze: the ``freeze=`` given to :func:`onebit_adam` (None: its default).
+    b2: the ``b2`` given to :func:`onebit_adam` (sets the default interval).
+    params: the parameters 1-bit Adam optimizes (or their shapes). Needed for
+      Adam's exact byte count after the freeze; without it Adam's bytes are
+      estimated from the padded buffer length (``bytes_exact=False``).
+    previous: the status of an earlier call: the notes then say how many of the
+      steps since were skipped (a run that diverged skips every step).
+
+  Returns:
+    A :class:`Status` (``print`` it, or log ``status._asdict()``).
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> s = onebit_optax.status(state, b2=0.999)
+    >>> s.phase, s.next_check
+    ('warmup', 2000)
+  """
+  found = _find(opt_state, ScaleByOnebitAdamState)
+  if len(found) != 1:
+    raise ValueError(
+        f"status: expected exactly one 1-bit Adam state inside the optimizer state, found "
+        f"{len(found)}. Pass the state of onebit_adam / scale_by_onebit_adam (possibly "
+        "inside optax.chain, inject_hyperparams, masked, or an nnx.Optimizer's opt_state).")
+  state = found[0]
+  stacked = np.ndim(_unwrap(state.count)) == 1  # pmap: every field has the device axis.
+  per_replica = {name: _replica_values(getattr(state, name), stacked)
+                 for name in _FIELDS if hasattr(state, name)}
+  agree = all(_agree(values) for values in per_replica.values())
+  fields = {name: values[0].item() for name, values in per_replica.items()}
+  step, frozen = int(fields["count"]), bool(fields["frozen"])
+  freeze_step = int(fields["freeze_step"])
+  ratio, skipped = float(fields["variance_ratio"]), int(fields["skipped_steps"])
+
+  policy, b2, assumed = _policy_and_b2(opt_state, freeze, b2, stacked)
+  interval = _interval(policy, b2)
+  worker, server = (np.shape(_unwrap(e)) for e in (state.worker_error, state.server_error))
+  num_devices = worker[-1] // server[-1]
+  sent, adam, exact = _bytes(fields, num_devices, _num_params(params), worker[-1])
+
+  notes = []
+  if assumed:
+    notes.append("freeze policy not given: assumed onebit_adam's default "
+                 "variance_ratio_freeze() with b2 = 0.999; pass freeze= and b2= to status")
+  mismatch = _policy_mismatch(policy, interval, step, frozen, freeze_step)
+  if mismatch:
+    notes.append(mismatch)
+  if not agree:
+    notes.append("the replicas' counters differ: the devices are not running one optimizer "
+                 "(under pmap / shard_map(check_vma=False), build onebit_adam with "
+                 "axis_name=<the mapped axis>)")
+  notes.extend(_skip_notes(step, skipped, previous))
+  if not exact:
+    notes.append("bytes are estimates: pass params= for Adam's exact count"
+                 + ("; skipped steps after the freeze are charged at the 1-bit rate"
+                    if skipped and frozen else ""))
+
+  next_check = None if frozen else _next_check(policy, interval, step)
+  return Status(
+      phase="compression" if frozen else "warmup", step=step,
+      freeze_step=freeze_step if frozen else None, next_check=next_check,
+      variance_ratio=ratio, skipped_steps=skipped, bytes_sent=float(sent),
+      adam_bytes=float(adam), bytes_exact=exact, replicas_agree=agree,
+      policy=_describe(policy, interval, b2),
+      reason="" if frozen else _warmup_reason(policy, interval, step, ratio, next_check),
+      notes=tuple(notes))
+
+
+def _skip_notes(step, skipped, previous) -> list:
+  notes = []
+  if skipped:
+    notes.append(f"{skipped} of {step + skipped} steps were skipped for non-finite "
+                 "gradients (all devices together)")
+  if previous is not None:
+    new_steps = step + skipped - previous.step - previous.skipped_steps
+    new_skips = skipped - previous.skipped_steps
+    if new_steps > 0 and new_skips == new_steps:
+      notes.append(f"every one of the last {new_steps} steps was skipped: the gradients are "
+                   "not finite any more, the run has diverged (lower the learning rate, "
+                   "clip, or freeze later)")
+    elif new_skips > 0:
+      notes.append(f"{new_skips} of the last {new_steps} steps were skipped")
+  return notes
+
+
+# ------------------------------------------------------------------ replica identity
+
+
+def _words(x) -> jax.Array:
+  """The bits of ``x`` as a flat uint32 vector (bit-exact: NaNs and -0.0 included)."""
+  x = jnp.ravel(jnp.asarray(x))
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    x = jnp.stack([x.real, x.imag], -1).ravel()
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+  return jax.lax.bitcast_convert_type(x, unsigned).ravel().astype(jnp.uint32)
+
+
+def _fingerprint(leaves) -> jax.Array:
+  """Two wrapping uint32 sums per leaf, the second position-weighted: (leaves, 2) int32."""
+  rows = []
+  for leaf in leaves:
+    words = _words(leaf)
+    odd = (2 * jnp.arange(words.size, dtype=jnp.uint32) + 1)
+    rows.append(jnp.stack([jnp.sum(words, dtype=jnp.uint32),
+                           jnp.sum(words * odd, dtype=jnp.uint32)]))
+  if not rows:
+    return jnp.zeros((0, 2), jnp.int32)
+  return jax.lax.bitcast_convert_type(jnp.stack(rows), jnp.int32)
+
+
+def replicas_identical(tree, axis_name: Hashable) -> jax.Array:
+  """Inside ``shard_map``/``pmap``: True iff every device along ``axis_name`` holds the same bits.
+
+  For a training loop that must keep its replicas identical (the parameters,
+  the optimizer's moments): one pass over ``tree`` on each device (two sums
+  per leaf) and one all-reduce of ``2 x leaves`` int32 values; run it every N
+  steps under ``lax.cond`` on the step count, or log it. Bit-exact: any
+  difference in any element shows (up to a 2^-64 chance of a collision of both
+  sums).
+
+  Under ``shard_map`` with ``check_vma=True`` the values are cast to varying
+  first, so JAX cannot assume that replicated values are equal and skip the
+  comparison. Pass only values that should be replicated (not the per-device
+  error buffers).
+
+  Args:
+    tree: a pytree of arrays that should be equal on every device.
+    axis_name: the mapped axis (of ``shard_map`` or ``pmap``).
+
+  Returns:
+    A bool scalar, the same on every device (replicated).
+
+  Example:
+    >>> import functools, jax, jax.numpy as jnp, onebit_optax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ('data',))
+    >>> @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(), out_specs=P())
+    ... def check(params):
+    ...   return onebit_optax.replicas_identical(params, 'data')
+    >>> bool(check({'w': jnp.ones(3)}))
+    True
+  """
+  fingerprint = _fingerprint(jax.tree.leaves(tree))
+  if axis_name not in _collective._varying_axes(fingerprint):
+    try:
+      fingerprint = jax.lax.pcast(fingerprint, axis_name, to="varying")
+    except (ValueError, TypeError):  # pmap or check_vma=False: nothing to cast
+      pass
+  # max(x) == min(x) with one collective: min(x) = ~max(~x) on two's complement ints.
+  both = jax.lax.pmax(jnp.concatenate([fingerprint, ~fingerprint]), axis_name)
+  rows = fingerprint.shape[0]
+  return jnp.all(both[:rows] == ~both[rows:])
+
+
+_fingerprint_jit = jax.jit(_fingerprint)
+
+
+def assert_replicas_identical(tree, *, stacked: bool = False) -> int:
+  """On the host: raises if the devices hold different copies of replicated arrays.
+
+  Each replicated ``jax.Array`` of ``tree`` (e.g. params returned by a
+  ``shard_map`` step with ``out_specs=P()``) keeps one buffer per device, and
+  reading it shows device 0's. Under ``pmap`` or ``shard_map(check_vma=False)``
+  nothing forces the buffers to be equal: a training loop whose devices each
+  run their own optimizer (``axis_name=None``) diverges silently. This compares
+  them: a fingerprint of each device's buffers is computed on that device, and
+  only two int32 per leaf per device come back to the host.
+
+  Args:
+    tree: a pytree of ``jax.Array``. Shards with the same index (replicas) are
+      compared; other leaves are ignored.
+    stacked: the leading axis of every leaf is the replica axis (``pmap``
+      outputs): all shards (rows) are compared with each other.
+
+  Returns:
+    The number of leaves that were compared on more than one device.
+
+  Raises:
+    AssertionError: naming the leaves and devices that differ.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, onebit_optax
+    >>> onebit_optax.assert_replicas_identical({'w': jnp.ones(3)})  # one device: nothing to compare
+    0
+  """
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: not isinstance(
+      x, (jax.Array, np.ndarray)) and hasattr(x, "get_value"))
+  groups = []  # (leaf number, path, [shards]) with shards that must hold the same bits.
+  for number, (path, leaf) in enumerate(leaves):
+    leaf = _unwrap(leaf)
+    if not isinstance(leaf, jax.Array):
+      continue
+    by_index = {}
+    for shard in leaf.addressable_shards:
+      key = None if stacked else str(shard.index)
+      by_index.setdefault(key, []).append(shard)
+    groups.extend((number, path, shards) for shards in by_index.values() if len(shards) > 1)
+  per_device = {}  # one fingerprint call per device over all its shards.
+  for g, (_, _, shards) in enumerate(groups):
+    for s in shards:
+      per_device.setdefault(s.device, []).append((g, s.data))
+  fingerprints = {}
+  for device, items in per_device.items():
+    rows = np.asarray(_fingerprint_jit([data for _, data in items]))
+    for (g, _), row in zip(items, rows):
+      fingerprints.setdefault(g, []).append((device, row))
+  differing = []
+  for g, (_, path, _) in enumerate(groups):
+    first_device, first = fingerprints[g][0]
+    bad = [str(d.id) for d, row in fingerprints[g][1:] if not np.array_equal(row, first)]
+    if bad:
+      differing.append(f"{jax.tree_util.keystr(path) or '<root>'}: devices {', '.join(bad)} "
+                       f"differ from device {first_device.id}")
+  if differing:
+    raise AssertionError(
+        "the replicas differ (each device holds its own values):\n  "
+        + "\n  ".join(differing) + "\nThe devices are not running one optimizer: under pmap "
+        "or shard_map(check_vma=False), build onebit_adam with axis_name=<the mapped axis>, "
+        "and average anything else you update with lax.pmean.")
+  return len({number for number, _, _ in groups})
