@@ -3,58 +3,113 @@
 
     python3 dev.py demo [ARGS...]   # the main job: Adam vs 1-bit Adam on 8 simulated CPU devices
     python3 dev.py test [ARGS...]   # the test suite (pytest; extra ARGS are passed on)
-    python3 dev.py env              # only create/refresh the virtual environment (.venv)
+    python3 dev.py env              # only create/refresh the virtual environment
 
-The first call creates `.venv` and installs the package with its test and example
-extras; later calls reuse it (it is refreshed when pyproject.toml changes).
+    python3 dev.py --python python3.12 test   # the same, in a venv of another interpreter
+
+The first call creates a virtual environment and installs the package (editable)
+with its test and example extras, at the newest versions pip resolves for that
+interpreter; later calls reuse it (it is refreshed when pyproject.toml changes).
+The venv is `.venv` for the interpreter that runs dev.py, and `.venv-pyX.Y` for
+an interpreter given with `--python` (or the ONEBIT_PYTHON environment
+variable), so each Python version keeps its own. ONEBIT_VENV overrides the
+directory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-VENV = Path(os.environ.get("ONEBIT_VENV", ROOT / ".venv"))
-BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
-PY = BIN / ("python.exe" if os.name == "nt" else "python")
+COMMANDS = ("demo", "test", "env")
+MIN_PYTHON = (3, 10)
 
 
-def _ensure_env() -> None:
-  if sys.version_info < (3, 10):
-    sys.exit(f"onebit-optax needs Python >= 3.10, this is {sys.version.split()[0]}.")
-  stamp = VENV / ".onebit-installed"
+def _bin(venv: Path, name: str) -> Path:
+  return venv / ("Scripts" if os.name == "nt" else "bin") / (
+      f"{name}.exe" if os.name == "nt" else name)
+
+
+def _interpreter_version(python: list[str]) -> tuple[int, int]:
+  """The (major, minor) version of ``python`` (a command line), or exits with a clear message."""
+  try:
+    out = subprocess.run([*python, "-c", "import sys; print(*sys.version_info[:2])"],
+                         capture_output=True, text=True, check=True).stdout
+  except (OSError, subprocess.CalledProcessError) as e:
+    detail = getattr(e, "stderr", None) or e
+    sys.exit(f"[dev.py] cannot run the interpreter {shlex.join(python)!r}: {detail}")
+  major, minor = (int(x) for x in out.split())
+  return major, minor
+
+
+def _venv_for(python: list[str] | None) -> tuple[Path, list[str]]:
+  """The venv directory and the interpreter command that creates it."""
+  if python is None:
+    version, python = sys.version_info[:2], [sys.executable]
+    default = ROOT / ".venv"
+  else:
+    version = _interpreter_version(python)
+    default = ROOT / f".venv-py{version[0]}.{version[1]}"
+  if version < MIN_PYTHON:
+    sys.exit(f"onebit-optax needs Python >= 3.10, {shlex.join(python)} is "
+             f"{version[0]}.{version[1]}.")
+  return Path(os.environ.get("ONEBIT_VENV", default)), python
+
+
+def _ensure_env(venv: Path, python: list[str]) -> Path:
+  """Creates/refreshes ``venv`` with ``python``; returns the venv's interpreter."""
+  py = _bin(venv, "python")
+  stamp = venv / ".onebit-installed"
   digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-  if stamp.exists() and stamp.read_text() == digest and PY.exists():
-    return
-  if not PY.exists():
-    print(f"[dev.py] creating virtual environment in {VENV}", flush=True)
-    venv.EnvBuilder(with_pip=True).create(VENV)
-  print("[dev.py] installing onebit-optax with its test and example extras", flush=True)
-  subprocess.check_call([str(PY), "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
+  if stamp.exists() and stamp.read_text() == digest and py.exists():
+    return py
+  if not py.exists():
+    print(f"[dev.py] creating virtual environment in {venv} ({shlex.join(python)})", flush=True)
+    subprocess.check_call([*python, "-m", "venv", str(venv)])
+  print(f"[dev.py] installing onebit-optax with its test and example extras into {venv}",
+        flush=True)
+  subprocess.check_call([str(py), "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
   subprocess.check_call(
-      [str(PY), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[test,examples]"])
-  subprocess.check_call([str(PY), "-m", "ipykernel", "install", "--sys-prefix", "--name",
+      [str(py), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[test,examples]"])
+  subprocess.check_call([str(py), "-m", "ipykernel", "install", "--sys-prefix", "--name",
                          "python3"], stdout=subprocess.DEVNULL)
   stamp.write_text(digest)
+  return py
+
+
+def _parse(argv: list[str]) -> tuple[list[str] | None, list[str]]:
+  """Splits off a leading ``--python CMD`` / ``--python=CMD``; returns (python, rest)."""
+  python = os.environ.get("ONEBIT_PYTHON") or None
+  if argv and argv[0].startswith("--python"):
+    if argv[0] == "--python" and len(argv) > 1:
+      python, argv = argv[1], argv[2:]
+    elif argv[0].startswith("--python="):
+      python, argv = argv[0].split("=", 1)[1], argv[1:]
+    else:
+      return None, []
+  return (shlex.split(python) if python else None), argv
 
 
 def main(argv: list[str]) -> int:
-  if not argv or argv[0] not in ("demo", "test", "env"):
+  python, argv = _parse(argv)
+  if not argv or argv[0] not in COMMANDS:
     print(__doc__)
     return 2
-  _ensure_env()
+  if sys.version_info < MIN_PYTHON:
+    sys.exit(f"dev.py needs Python >= 3.10, this is {sys.version.split()[0]}.")
+  py = _ensure_env(*_venv_for(python))
   command, rest = argv[0], argv[1:]
   if command == "env":
     return 0
   if command == "demo":
-    args = [str(PY), str(ROOT / "examples" / "demo.py"), *rest]
+    args = [str(py), str(ROOT / "examples" / "demo.py"), *rest]
   else:
-    args = [str(PY), "-m", "pytest", *rest]
+    args = [str(py), "-m", "pytest", *rest]
   return subprocess.call(args, cwd=ROOT)
 
 
