@@ -1,5 +1,6 @@
 """onebit-optax: 1-bit Adam (Tang et al., 2021) as a native Optax gradient transformation."""
 
+from onebit_optax._accessors import moments
 from onebit_optax._accumulate import accumulate_gradients
 from onebit_optax._accumulate import clip_by_global_norm
 from onebit_optax._checkpoint import abstract_state
@@ -15,14 +16,15 @@ from onebit_optax._freeze import FixedStepFreeze
 from onebit_optax._freeze import fixed_step_freeze
 from onebit_optax._freeze import VarianceRatioFreeze
 from onebit_optax._freeze import variance_ratio_freeze
-from onebit_optax._onebit_adam import freeze_step
-from onebit_optax._onebit_adam import is_frozen
+from onebit_optax._accessors import freeze_step
+from onebit_optax._accessors import is_frozen
+from onebit_optax._onebit_adam import adam_update_bound
 from onebit_optax._onebit_adam import onebit_adam
 from onebit_optax._onebit_adam import scale_by_onebit_adam
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
-from onebit_optax._onebit_adam import skipped_steps
-from onebit_optax._onebit_adam import variance_ratio
-from onebit_optax._onebit_adam import wire_bytes
+from onebit_optax._accessors import skipped_steps
+from onebit_optax._accessors import variance_ratio
+from onebit_optax._accessors import wire_bytes
 from onebit_optax._sharding import init_sharded
 from onebit_optax._sharding import local_params
 from onebit_optax._sharding import state_partition_specs
@@ -31,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "abstract_state",
+    "adam_update_bound",
     "accumulate_gradients",
     "clip_by_global_norm",
     "allreduce_wire_bytes",
@@ -42,6 +45,7 @@ __all__ = (
     "init_sharded",
     "is_frozen",
     "local_params",
+    "moments",
     "onebit_adam",
     "padded_size",
     "restore_checkpoint",

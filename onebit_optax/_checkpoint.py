@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from onebit_optax import _compressor
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 from onebit_optax import _sharding
 
@@ -67,10 +66,23 @@ def _find(opt_state) -> tuple[tuple, ScaleByOnebitAdamState]:
   return found[0]
 
 
-def _error_paths(opt_state) -> tuple[str, str]:
+def _error_paths(opt_state, names=("worker_error", "server_error")) -> tuple[str, ...]:
   path, _ = _find(opt_state)
   return tuple(jax.tree_util.keystr((*path, jax.tree_util.GetAttrKey(name)))
-               for name in ("worker_error", "server_error"))
+               for name in names)
+
+
+def _flat_paths(opt_state) -> tuple[str, ...]:
+  """The flat moment buffers: their padded tail depends on the device count."""
+  return _error_paths(opt_state, ("mu", "nu"))
+
+
+def _relayout(x, abstract):
+  """A flat moment buffer cut or zero-extended at its tail (leaf offsets do not move)."""
+  def move(v):
+    kept = v[:min(v.shape[0], abstract.shape[0])]
+    return jnp.pad(kept, (0, abstract.shape[0] - kept.shape[0]))
+  return jax.jit(move, out_shardings=abstract.sharding)(x)
 
 
 def _signature(tree) -> list:
@@ -83,19 +95,19 @@ def _signature(tree) -> list:
 def _layout(opt_state) -> dict:
   """Device count and buffer sizes of a state in the shard_map (or 1-device) layout."""
   _, state = _find(opt_state)
-  size = sum(int(np.prod(np.shape(m))) for m in jax.tree.leaves(state.mu))
+  size = int(np.prod(np.shape(state.mu)))
   worker, server = np.shape(state.worker_error), np.shape(state.server_error)
   n = worker[0] if len(worker) == 2 else 0
-  if (np.ndim(state.count) != 0 or len(worker) != 2 or n < 1
-      or worker[1] != _compressor.padded_size(size, n) or server != (n, worker[1] // n)):
+  if (np.ndim(state.count) != 0 or len(worker) != 2 or n < 1 or np.ndim(state.mu) != 1
+      or worker[1] != size or server != (n, worker[1] // n)):
     raise ValueError(
         "The 1-bit Adam state does not have the layout of onebit_optax.init_sharded "
         f"(global error buffers (devices, padded)): count has shape {np.shape(state.count)}, "
-        f"worker_error {worker}, server_error {server}, for {size} parameters. Checkpoint "
+        f"worker_error {worker}, server_error {server}, mu {np.shape(state.mu)}. Checkpoint "
         "the state returned by the shard_map training step (out_specs="
         "onebit_optax.state_partition_specs(...)), or by tx.init with axis_name=None. "
         "A pmap state (a leading device axis on every leaf) is not supported.")
-  return {"num_devices": int(n), "param_count": int(size), "padded_size": int(worker[1])}
+  return {"num_devices": int(n), "padded_size": int(size)}
 
 
 def _metadata(step, params, opt_state) -> dict:
@@ -256,8 +268,8 @@ def _check_compatible(where: str, metadata: dict, params, target) -> None:
         "(a different model?):\n  " + "\n  ".join(lines) + "\nPass the parameter tree "
         "(shapes and dtypes) of the run that saved it; a different model needs a fresh "
         "optimizer state (tx.init / init_sharded).")
-  error_paths = set(metadata["error_paths"])
-  # The error buffers' shapes depend on the device count: compared separately.
+  error_paths = set(metadata["error_paths"]) | set(_flat_paths(target))
+  # The buffers' shapes depend on the device count: compared separately.
   strip = lambda sig: [[p, s if p not in error_paths else ["devices", "..."], d]
                        for p, s, d in sig]
   lines = _diff(strip(metadata["opt_state"]), strip(_signature(target)))
@@ -371,8 +383,15 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
 
     # The error buffers are per device: on another device count they are not read
     # at all (an Orbax placeholder), since Orbax would happily reshard them.
-    skip = lambda path, x: (ocp.PLACEHOLDER if not same_devices
-                            and jax.tree_util.keystr(path) in error_paths else x)
+    flat_paths = set(_flat_paths(target))
+    saved_shapes = {p: tuple(s) for p, s, _ in metadata["opt_state"]}
+    def skip(path, x):
+      key = jax.tree_util.keystr(path)
+      if same_devices or key not in error_paths | flat_paths:
+        return x
+      if key in flat_paths:  # read as saved, cut or extended below
+        return jax.ShapeDtypeStruct(saved_shapes[key], x.dtype, sharding=x.sharding)
+      return ocp.PLACEHOLDER
     item = jax.tree_util.tree_map_with_path(skip, target)
     as_args = lambda x: (ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
                                               dtype=x.dtype)
@@ -389,6 +408,8 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
   new_params, opt_state = restored[_PARAMS], restored[_OPT_STATE]
   if not same_devices:
     def zeros(path, x, abstract):
+      if jax.tree_util.keystr(path) in flat_paths:
+        return _relayout(x, abstract)
       if jax.tree_util.keystr(path) not in error_paths:
         return x
       return jax.jit(lambda: jnp.zeros(abstract.shape, abstract.dtype),

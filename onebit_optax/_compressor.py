@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["sign_compress", "sign_decompress", "padded_size"]
+__all__ = ["sign_compress", "sign_decompress", "padded_size", "segment_rms", "sign_residual"]
 
 _BITS_PER_BYTE = 8
 # Bit k of byte j holds the sign of element 8*j + k ("little" bit order). The same
@@ -134,3 +134,44 @@ def sign_decompress(packed: jax.Array, scale: jax.Array, size: int) -> jax.Array
   bits = bits.reshape(packed.shape[:-1] + (-1,))[..., :size]
   signs = bits.astype(jnp.float32) * 2.0 - 1.0
   return signs * scale[..., None]
+
+
+def segment_rms(blocks: jax.Array, segment_of_block: jax.Array,
+                segment_count: jax.Array) -> jax.Array:
+  r"""Root mean square of each segment of a blocked vector (one scale per segment).
+
+  .. math::
+
+    s_k = \sqrt{\frac{1}{|k|}\sum_{i \in k} x_i^2}
+
+  where segment :math:`k` is the union of the blocks (rows) that
+  ``segment_of_block`` maps to it and :math:`|k|` its count of real elements
+  (padding elements must be zero). A segment with no real element gets 0.
+
+  Args:
+    blocks: float32 ``(num_blocks, block)``.
+    segment_of_block: int32 ``(num_blocks,)``, sorted.
+    segment_count: float32 ``(num_segments,)``: real elements per segment.
+
+  Returns:
+    float32 ``(num_segments,)``.
+  """
+  row_sums = jnp.sum(jnp.square(blocks), axis=1)
+  totals = jax.ops.segment_sum(row_sums, segment_of_block, segment_count.shape[0],
+                               indices_are_sorted=True)
+  return jnp.sqrt(totals / jnp.maximum(segment_count, 1.0))
+
+
+def sign_residual(blocks: jax.Array, block_scale: jax.Array, valid: jax.Array) -> jax.Array:
+  r"""What 1-bit compression loses: :math:`x - s\,\mathrm{sign}(x)` on real elements, 0 on padding.
+
+  Args:
+    blocks: float32 ``(num_blocks, block)``.
+    block_scale: float32 ``(num_blocks,)``: the scale of each block's segment.
+    valid: bool ``(num_blocks, block)``: the real elements.
+
+  Returns:
+    float32 ``(num_blocks, block)``.
+  """
+  scale = block_scale[:, None]
+  return jnp.where(valid, blocks - jnp.where(blocks >= 0, scale, -scale), 0.0)

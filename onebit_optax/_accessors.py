@@ -1,0 +1,187 @@
+"""Reading a 1-bit Adam state: the phase, counters, and the moments as trees."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from onebit_optax import _layout
+from onebit_optax._onebit_adam import ScaleByOnebitAdamState
+
+__all__ = ["is_frozen", "freeze_step", "variance_ratio", "wire_bytes", "skipped_steps",
+           "moments"]
+
+
+def _find_state(opt_state) -> ScaleByOnebitAdamState:
+  found = [s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda s: isinstance(s, ScaleByOnebitAdamState))
+           if isinstance(s, ScaleByOnebitAdamState)]
+  if len(found) != 1:
+    raise ValueError(
+        f"Expected exactly one 1-bit Adam state inside the optimizer state, found "
+        f"{len(found)}. Pass the state returned by onebit_adam / scale_by_onebit_adam "
+        "(possibly wrapped by optax.chain, inject_hyperparams, masked, ...).")
+  return found[0]
+
+
+def _plain(x):
+  """The array inside a Flax NNX variable (``nnx.Optimizer`` wraps its state), else ``x``."""
+  if isinstance(x, jax.Array) or not hasattr(x, "value"):
+    return x
+  # flax >= 0.12 deprecates `.value`; older versions lack get_value.
+  return x.get_value() if hasattr(x, "get_value") else x.value
+
+
+def is_frozen(opt_state) -> jax.Array:
+  """True once the variance is frozen (compression phase). Accepts any state containing one.
+
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
+      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+
+  Returns:
+    A bool scalar array: the phase the *next* step will run.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> bool(onebit_optax.is_frozen(tx.init({'w': jnp.ones(2)})))
+    False
+  """
+  return _plain(_find_state(opt_state).frozen)
+
+
+def freeze_step(opt_state) -> jax.Array:
+  """The last warmup step (the variance is frozen after it); 0 while still warming up.
+
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
+      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+
+  Returns:
+    An int32 scalar array :math:`T_0` (the frozen variance is :math:`v_{T_0}`).
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> int(onebit_optax.freeze_step(tx.init({'w': jnp.ones(2)})))
+    0
+  """
+  return _plain(_find_state(opt_state).freeze_step)
+
+
+def variance_ratio(opt_state) -> jax.Array:
+  r"""The last measured :math:`\lVert\hat v_t\rVert_1 / \lVert\hat v_{t-\Delta}\rVert_1` (NaN before the first).
+
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
+      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+
+  Returns:
+    A float32 scalar array, measured every :math:`\Delta` warmup steps (see
+    :func:`variance_ratio_freeze`); it stops moving once frozen.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> float(onebit_optax.variance_ratio(tx.init({'w': jnp.ones(2)})))
+    nan
+  """
+  return _plain(_find_state(opt_state).variance_ratio)
+
+
+def wire_bytes(opt_state) -> jax.Array:
+  r"""Bytes this device sent on the wire in the last step (ring model for the all-reduce).
+
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
+      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+
+  Returns:
+    A float32 scalar array: :math:`2\frac{n-1}{n}\,4D` for the float32
+    all-reduce of warmup, :func:`compressed_wire_bytes` in compression, 0 on
+    one device.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> float(onebit_optax.wire_bytes(tx.init({'w': jnp.ones(2)})))
+    0.0
+  """
+  return _plain(_find_state(opt_state).wire_bytes)
+
+
+def skipped_steps(opt_state) -> jax.Array:
+  """How many steps were skipped on all devices because a gradient was not finite.
+
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
+      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+
+  Returns:
+    An int32 scalar array.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> _, state = tx.update({'w': jnp.array([1.0, jnp.nan])}, state)
+    >>> int(onebit_optax.skipped_steps(state))
+    1
+  """
+  return _plain(_find_state(opt_state).skipped_steps)
+
+
+def moments(opt_state, params):
+  r"""The first and second moments as trees shaped like ``params``.
+
+  The state keeps them as flat padded vectors (see
+  :class:`ScaleByOnebitAdamState`). During warmup ``nu`` is Adam's raw second
+  moment :math:`v_t` (as in :func:`optax.scale_by_adam`'s state); after the freeze
+  it is the variance the preconditioner really uses,
+  :math:`\max(\hat v_{T_0}, f\,\overline{\hat v}_\ell)` (bias-corrected and
+  floored; 0 where the coordinate never had a gradient).
+
+  Args:
+    opt_state: the optimizer state, or any optax state that contains exactly one
+      :class:`ScaleByOnebitAdamState`. A ``pmap`` state (leading device axis) is
+      read on its first device.
+    params: the parameter tree (or anything with the same structure and shapes).
+
+  Returns:
+    ``(mu, nu)``: two trees shaped like ``params``, float32.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+    >>> params = {'w': jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({'w': jnp.array([1.0, 2.0, 3.0])}, state)
+    >>> mu, nu = onebit_optax.moments(state, params)
+    >>> mu['w']
+    Array([0.1, 0.2, 0.3], dtype=float32)
+  """
+  state = _find_state(opt_state)
+  mu, nu, frozen = (jnp.asarray(_plain(x)) for x in (state.mu, state.nu, state.frozen))
+  if mu.ndim == 2:  # pmap: one copy per device
+    mu, nu, frozen = mu[0], nu[0], frozen[0]
+  leaves = jax.tree.leaves(params)
+  n = max(1, round(mu.shape[0] / max(1, jnp.shape(_plain(state.server_error))[-1])))
+  layout = _layout.layout_for(params, n)
+  if layout.padded != mu.shape[0]:
+    raise ValueError(
+        f"moments: the state holds {mu.shape[0]} elements but params "
+        f"({layout.size} parameters in {len(leaves)} leaves) lay out to {layout.padded}; "
+        "pass the params the optimizer was initialised with.")
+  mu, nu = mu.astype(jnp.float32), nu.astype(jnp.float32)
+  # After the freeze nu holds p = 1/(sqrt(v) + eps); eps is not stored, and
+  # 1/p - eps differs from 1/p only where v ~ eps^2, so 1/p^2 is reported.
+  variance = jnp.where(nu > 0, 1.0 / jnp.square(jnp.where(nu > 0, nu, 1.0)), 0.0)
+  nu = jnp.where(frozen, variance, nu)
+  treedef = jax.tree.structure(params)
+  return layout.unflatten(mu, treedef), layout.unflatten(nu, treedef)
