@@ -28,12 +28,16 @@ from onebit_optax._accessors import wire_bytes
 from onebit_optax._sharding import init_sharded
 from onebit_optax._sharding import local_params
 from onebit_optax._sharding import state_partition_specs
+from onebit_optax._status import assert_replicas_identical
+from onebit_optax._status import replicas_identical
+from onebit_optax._status import status
 
 __version__ = "0.1.0"
 
 __all__ = (
     "abstract_state",
     "adam_update_bound",
+    "assert_replicas_identical",
     "accumulate_gradients",
     "clip_by_global_norm",
     "allreduce_wire_bytes",
@@ -48,6 +52,7 @@ __all__ = (
     "moments",
     "onebit_adam",
     "padded_size",
+    "replicas_identical",
     "restore_checkpoint",
     "save_checkpoint",
     "scale_by_onebit_adam",
@@ -56,6 +61,7 @@ __all__ = (
     "skipped_steps",
     "sign_decompress",
     "state_partition_specs",
+    "status",
     "variance_ratio",
     "variance_ratio_freeze",
     "VarianceRatioFreeze",
