@@ -146,7 +146,7 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
     >>> target = onebit_optax.abstract_state(tx, {'w': jnp.ones(3)}, mesh)
     >>> target[0].worker_error.shape, target[0].worker_error.sharding.spec
-    ((2, 16), P('data',))
+    ((2, 256), P('data',))
 
   References:
     `Orbax checkpointing <https://orbax.readthedocs.io/en/latest/>`_;
@@ -205,7 +205,7 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
     ...   params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, mesh)
     True
     >>> step, state[0].worker_error.shape
-    (7, (2, 16))
+    (7, (2, 256))
 
   References:
     `Orbax checkpointing <https://orbax.readthedocs.io/en/latest/>`_;
@@ -268,9 +268,11 @@ def _check_compatible(where: str, metadata: dict, params, target) -> None:
         "(a different model?):\n  " + "\n  ".join(lines) + "\nPass the parameter tree "
         "(shapes and dtypes) of the run that saved it; a different model needs a fresh "
         "optimizer state (tx.init / init_sharded).")
-  error_paths = set(metadata["error_paths"]) | set(_flat_paths(target))
-  # The buffers' shapes depend on the device count: compared separately.
-  strip = lambda sig: [[p, s if p not in error_paths else ["devices", "..."], d]
+  error_paths = set(metadata["error_paths"])
+  # The error buffers' and the flat moments' shapes depend on the device count
+  # (the params, checked above, fix the rest): compared separately.
+  sized_paths = error_paths | set(_flat_paths(target))
+  strip = lambda sig: [[p, s if p not in sized_paths else ["devices", "..."], d]
                        for p, s, d in sig]
   lines = _diff(strip(metadata["opt_state"]), strip(_signature(target)))
   treedef = str(jax.tree.structure(target))
@@ -333,7 +335,7 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
     ...   _ = onebit_optax.save_checkpoint(directory, 3, params, state)
     ...   params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, new_mesh)
     >>> state[0].worker_error.shape  # reset for 4 devices (no warning: still warmup)
-    (4, 32)
+    (4, 512)
 
   References:
     `Orbax checkpointing <https://orbax.readthedocs.io/en/latest/>`_;

@@ -128,8 +128,8 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
     >>> mesh = jax.make_mesh((1,), ('data',))
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
     >>> state = onebit_optax.init_sharded(tx, {'w': jnp.ones(3)}, mesh)
-    >>> state[0].worker_error.shape  # (devices, padded size)
-    (1, 8)
+    >>> state[0].worker_error.shape  # (devices, padded size: whole blocks of 128)
+    (1, 128)
 
   References:
     `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
