@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
+import _flat
 
 N = 8
 
@@ -131,7 +132,9 @@ def test_state_made_for_another_device_count(mesh):
   g = jax.device_put(jnp.ones(64 * N), NamedSharding(mesh, P("data")))
   with pytest.raises(ValueError) as excinfo:
     jax.eval_shape(step, g, state)
-  _assert_words(excinfo, "another device count", "re-init", "state_partition_specs")
+  # The leaf sizes match (checked first), so the buffers' lengths can only differ by
+  # the device count: the message must name it.
+  _assert_words(excinfo, "device count", "re-init", "state_partition_specs", "(1, 1024)")
 
 
 def test_accessors_on_a_state_without_onebit_adam():
@@ -272,10 +275,18 @@ def test_size_not_divisible_by_8n_is_padded(mesh):
   rng = np.random.default_rng(0)
   targets = {"w": jnp.asarray(rng.standard_normal((N, 13)), jnp.float32)}
   history, state = _train_on_8(mesh, params, targets)
-  padded = onebit_optax.padded_size(13, N)
-  assert padded == 64
+  # One block of 128 for the leaf, the buffer padded to 8 chunks of whole blocks.
+  padded = _flat.padded([13], N)
+  assert padded == 8 * 128
+  assert state[0].mu.shape == state[0].nu.shape == (padded,)
   assert state[0].worker_error.shape == (N, padded)
   assert state[0].server_error.shape == (N, padded // N)
+  # The padding holds exactly zero in every buffer (it must not leak into a step).
+  # (server_error's rows are the chunks, in order: flattened, it is laid out like mu.)
+  server = np.asarray(state[0].server_error).reshape(-1)
+  for buffer in (state[0].mu, state[0].nu, state[0].worker_error, server):
+    assert not np.any(np.asarray(buffer)[..., 13:]), buffer.shape
+  assert np.any(np.asarray(state[0].worker_error)[:, :13])  # compression did run
   _check_training(params, targets, history, state)
 
 
