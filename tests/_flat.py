@@ -9,6 +9,8 @@ each chunk carries one 4-byte scale per segment, as many as the chunk with the
 most segments has.
 """
 
+import numpy as np
+
 BLOCK = 128
 
 
@@ -44,3 +46,29 @@ def compressed_bytes(leaf_sizes, n):
 def allreduce_bytes(leaf_sizes, n):
   """Bytes one device sends in a warmup step: a float32 ring all-reduce of the padded buffer."""
   return 2.0 * (n - 1) / n * padded(leaf_sizes, n) * 4
+
+
+def offsets(leaf_sizes):
+  """Where each leaf starts in the flat buffers (the same for every device count)."""
+  out, offset = [], 0
+  for size in leaf_sizes:
+    out.append(offset)
+    offset += -(-int(size) // BLOCK) * BLOCK
+  return out
+
+
+def relayout(flat, leaf_sizes, n):
+  """A flat buffer rebuilt leaf by leaf for n devices (numpy; the padding is zero)."""
+  flat = np.asarray(flat)
+  out = np.zeros(flat.shape[:-1] + (padded(leaf_sizes, n),), flat.dtype)
+  for offset, size in zip(offsets(leaf_sizes), leaf_sizes):
+    out[..., offset:offset + size] = flat[..., offset:offset + size]
+  return out
+
+
+def leaves(flat, shapes):
+  """The leaves (numpy, these shapes, in tree order) that a flat buffer holds."""
+  flat = np.asarray(flat)
+  sizes = [int(np.prod(s)) for s in shapes]
+  return [flat[offset:offset + size].reshape(shape)
+          for offset, size, shape in zip(offsets(sizes), sizes, shapes)]

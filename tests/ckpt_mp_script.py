@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
 from onebit_optax import launch
+import _flat
 
 FEATURES, HIDDEN, ROWS_PER_DEVICE = 6, 7, 4
 STEPS = 12
@@ -134,11 +135,16 @@ def _resize(args, step, mesh, tx, step_fns):
       {name: saved[f"params['{name}']"] for name in init_params()}, NamedSharding(mesh, P()))
   ref_state = onebit_optax.init_sharded(tx, ref_params, mesh)
 
+  sizes = [int(np.prod(np.shape(leaf))) for leaf in jax.tree.leaves(init_params())]
+
   def fill(path, leaf):
     key = jax.tree_util.keystr(path)
     if key.endswith("_error"):
       return leaf
-    return jax.device_put(saved["opt_state" + key], leaf.sharding)
+    value = saved["opt_state" + key]
+    if key.endswith(("].mu", "].nu")):  # flat: the saved leaves, laid out for these devices
+      value = _flat.relayout(value, sizes, jax.device_count())
+    return jax.device_put(value, leaf.sharding)
   ref_state = jax.tree_util.tree_map_with_path(fill, ref_state)
 
   restored = {f"restored_opt_state{k}": v for k, v in local_leaves(opt_state).items()}

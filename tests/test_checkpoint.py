@@ -24,12 +24,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt_mp_script as run
 import onebit_optax
+import _flat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(HERE, "ckpt_mp_script.py")
 TIMEOUT = 150  # seconds for one subprocess, generous for 2 shared cores
 ERRORS = ("[0].worker_error", "[0].server_error")
+MOMENTS = ("[0].mu", "[0].nu")  # flat, padded for the device count
+# The parameters in flattening order (b1, w1, w2): one block of 128 each.
+SIZES = [run.HIDDEN, run.FEATURES * run.HIDDEN, run.HIDDEN]
 
 
 def _leaves(prefix, tree):
@@ -91,8 +95,14 @@ def test_the_run_crosses_the_phases_where_the_checkpoints_are(uninterrupted):
   for key in ERRORS:
     assert np.all(warm["opt_state" + key] == 0)
     assert comp["opt_state" + key].shape[0] == 8
-    # Different on every device, so a mix-up of rows would show.
-    assert len({row.tobytes() for row in comp["opt_state" + key]}) == 8
+  # Different on every device, so a mix-up of rows would show. The server rows
+  # are the chunks (one block each): the 3 leaves fill chunks 0-2, chunks 3-7 are
+  # tail padding, held at exactly zero.
+  assert _flat.padded(SIZES, 8) == 8 * 128
+  worker, server = (comp["opt_state" + key] for key in ERRORS)
+  assert len({row.tobytes() for row in worker}) == 8
+  assert len({row.tobytes() for row in server[:3]}) == 3 and np.all(np.any(server[:3], axis=1))
+  assert not np.any(server[3:])
   assert final["opt_state[0].count"] == run.STEPS
 
 
@@ -148,15 +158,25 @@ def test_other_parameters_are_refused(uninterrupted):
 
 
 @pytest.mark.parametrize("tx", [
-    onebit_optax.onebit_adam(1e-2, axis_name="data", weight_decay=1e-4),
+    onebit_optax.onebit_adam(1e-2, axis_name="data", weight_decay=1e-4,
+                             mask={"b1": False, "w1": True, "w2": True}),
     optax.chain(optax.clip_by_global_norm(1.0), run.make_tx()),
     onebit_optax.onebit_adam(1e-2, axis_name="data", moment_dtype=jnp.bfloat16),
     onebit_optax.onebit_adam(1e-2, axis_name="data", error_dtype=jnp.bfloat16),
     onebit_optax.onebit_adam(optax.linear_schedule(1e-2, 0.0, 10), axis_name="data"),
-], ids=["weight_decay", "clipping", "moment_dtype", "error_dtype", "schedule"])
+], ids=["weight_decay_mask", "clipping", "moment_dtype", "error_dtype", "schedule"])
 def test_another_optimizer_is_refused(uninterrupted, tx):
   with pytest.raises(ValueError, match="another optimizer than `tx`"):
     _restore(uninterrupted[0], tx=tx)
+
+
+def test_hyperparameters_that_do_not_shape_the_state_are_not_checked(uninterrupted):
+  # Like a new learning rate, a weight decay (the alias always holds its chain
+  # element, so the state's structure does not depend on it) restores as is.
+  tx = onebit_optax.onebit_adam(1e-3, axis_name="data", weight_decay=1e-4,
+                                freeze=onebit_optax.variance_ratio_freeze(**run.FREEZE))
+  _, opt_state, step = _restore(uninterrupted[0], tx=tx)
+  assert step == run.COMPRESSION_SAVE and bool(np.asarray(opt_state[0].frozen))
 
 
 def test_missing_steps_and_foreign_checkpoints_are_refused(uninterrupted, tmp_path):
@@ -223,8 +243,12 @@ def test_single_device_round_trip_and_restore_from_8_devices(uninterrupted, tmp_
   with pytest.warns(UserWarning, match="saved on 8 devices and is restored onto 1"):
     _, state1, _ = onebit_optax.restore_checkpoint(
         uninterrupted[0], tx1, run.init_params(), mesh=None)
-  assert state1[0].worker_error.shape == (1, onebit_optax.padded_size(6 * 7 + 7 + 7, 1))
+  assert state1[0].worker_error.shape == (1, _flat.padded(SIZES, 1))
   assert not np.any(state1[0].worker_error) and bool(state1[0].frozen)
+  saved = uninterrupted[1][run.COMPRESSION_SAVE]
+  for name in ("mu", "nu"):  # the moments move to the 1-device layout, leaf by leaf
+    np.testing.assert_array_equal(getattr(state1[0], name),
+                                  _flat.relayout(saved[f"opt_state[0].{name}"], SIZES, 1))
 
 
 def _env(**extra):
@@ -243,7 +267,7 @@ def test_restore_onto_4_devices_keeps_all_but_the_errors(uninterrupted):
       cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
       env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"))
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  padded4 = onebit_optax.padded_size(6 * 7 + 7 + 7, 4)
+  padded4 = _flat.padded(SIZES, 4)
   for step in (run.COMPRESSION_SAVE, run.WARMUP_SAVE):
     with open(os.path.join(directory, f"resize_{step}.json")) as f:
       info = json.load(f)
@@ -256,6 +280,12 @@ def test_restore_onto_4_devices_keeps_all_but_the_errors(uninterrupted):
       if key.endswith(ERRORS):
         continue
       restored = out["restored_" + key]
+      if key.endswith(MOMENTS):  # flat: the same leaves, laid out for 4 devices
+        assert restored.shape == (padded4,), key
+        assert restored.tobytes() == _flat.relayout(value, SIZES, 4).tobytes(), key
+        # and nothing was dropped: back on 8 devices it is the saved buffer.
+        assert _flat.relayout(restored, SIZES, 8).tobytes() == value.tobytes(), key
+        continue
       assert restored.tobytes() == value.tobytes(), key
     # The error buffers: reset, in the 4-device shapes.
     assert out["restored_opt_state[0].worker_error"].shape == (4, padded4)
@@ -306,5 +336,5 @@ def test_two_processes_resume_bitwise_after_a_kill(tmp_path):
       got, want = {k: a[k] for k in a.files}, {k: b[k] for k in b.files}
     _assert_bitwise(got, want)
     assert want["opt_state[0].count"] == run.STEPS
-    assert want["opt_state[0].worker_error"].shape == (1, onebit_optax.padded_size(56, 2))
+    assert want["opt_state[0].worker_error"].shape == (1, _flat.padded(SIZES, 2))
     assert np.any(want["opt_state[0].worker_error"])
