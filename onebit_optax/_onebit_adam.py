@@ -174,10 +174,16 @@ def preconditioner(nu, count, layout: _layout.FlatLayout, b2, eps, variance_floo
   return p.reshape(-1)
 
 
-def _warmup(g, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
+def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
   """Adam on the full-precision mean gradient (one float32 pmean of the flat buffer)."""
   n = layout.num_devices
-  g = _collective.full_precision_mean(g, hp.axis_name)
+  # The worker error buffer is all zeros during warmup (padding included): the
+  # gradients are written into it leaf by leaf (in place when the state is
+  # donated, where a concatenate would cost a fresh buffer) and it is returned
+  # zeroed below.
+  scratch = state.worker_error[0].astype(jnp.float32)
+  g = _collective.full_precision_mean(
+      layout.combine_into(scratch, grads, lambda g, _: g), hp.axis_name)
   # Read off the replicated mean, which every device's gradient reaches: all
   # devices agree on it without another collective.
   finite = jnp.all(jnp.isfinite(g)) if hp.skip_nonfinite else jnp.bool_(True)
@@ -200,15 +206,18 @@ def _warmup(g, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Ste
       direction=jnp.where(finite, direction, 0.0), finite=finite, mu=mu, nu=nu,
       frozen=freeze_now, freeze_step=jnp.where(freeze_now, count, 0).astype(jnp.int32),
       variance_ratio=ratio, reference_l1=reference,
-      worker_error=state.worker_error, server_error=state.server_error,
+      worker_error=_vary(jnp.zeros_like(state.worker_error), hp.axis_name),
+      server_error=state.server_error,
       wire_bytes=jnp.float32(_collective.allreduce_wire_bytes(layout.padded, n)))
 
 
-def _compression(g, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
+def _compression(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
   """Frozen-variance momentum SGD whose momentum is averaged by the 1-bit compressed mean."""
   n = layout.num_devices
   mu32 = state.mu.astype(jnp.float32)
-  local_mu = (1.0 - hp.b1) * g + hp.b1 * mu32
+  # Written leaf by leaf into the momentum's own buffer (no flat copy of the
+  # gradients); the padding keeps its zeros.
+  local_mu = layout.combine_into(mu32, grads, lambda g, m: (1.0 - hp.b1) * g + hp.b1 * m)
   mean_mu, worker_error, server_error, finite = _collective.compressed_mean_and_check(
       local_mu, state.worker_error[0].astype(jnp.float32),
       state.server_error[0].astype(jnp.float32), hp.axis_name, layout=layout,
@@ -430,7 +439,7 @@ def scale_by_onebit_adam(
     del params, extra_args
     layout = _check_update(updates, state, axis_name)
     count_inc = numerics.safe_increment(state.count)
-    grads = layout.flatten(updates)
+    grads = jax.tree.leaves(updates)
     # The phase switch. `frozen` is computed from replicated values only, so all
     # devices agree on the branch; only the taken branch's collectives run.
     step = jax.lax.cond(
