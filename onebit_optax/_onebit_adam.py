@@ -73,7 +73,7 @@ class _Hyper(NamedTuple):
 class _Step(NamedTuple):
   """What one branch of the phase switch computed."""
 
-  direction: jax.Array
+  direction: Any  # the flat update, then (in update_fn) the update tree.
   finite: jax.Array
   mu: jax.Array
   nu: jax.Array
@@ -439,13 +439,18 @@ def scale_by_onebit_adam(
     del params, extra_args
     layout = _check_update(updates, state, axis_name)
     count_inc = numerics.safe_increment(state.count)
-    grads = jax.tree.leaves(updates)
+    grads, treedef = jax.tree.flatten(updates)
+    dtypes = [jnp.result_type(g) for g in grads]
+
+    def branch(step_fn):
+      def run(g):  # the update leaves are written inside the branch: no flat result
+        step = step_fn(g, state, count_inc, hp, layout)
+        return step._replace(direction=layout.unflatten(step.direction, treedef, dtypes))
+      return run
+
     # The phase switch. `frozen` is computed from replicated values only, so all
     # devices agree on the branch; only the taken branch's collectives run.
-    step = jax.lax.cond(
-        state.frozen,
-        lambda g: _compression(g, state, count_inc, hp, layout),
-        lambda g: _warmup(g, state, count_inc, hp, layout), grads)
+    step = jax.lax.cond(state.frozen, branch(_compression), branch(_warmup), grads)
     pick = lambda new, old: jnp.where(step.finite, new, old)
     new_state = ScaleByOnebitAdamState(
         count=pick(count_inc, state.count),
@@ -461,9 +466,7 @@ def scale_by_onebit_adam(
         worker_error=step.worker_error,
         server_error=step.server_error,
     )
-    treedef = jax.tree.structure(updates)
-    dtypes = [jnp.result_type(g) for g in jax.tree.leaves(updates)]
-    return layout.unflatten(step.direction, treedef, dtypes), new_state
+    return step.direction, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
