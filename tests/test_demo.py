@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import _flat
+
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES, STEPS, FREEZE = 8, 30, 10
 UNITS = {"kB": 1e3, "MB": 1e6, "GB": 1e9}
@@ -52,21 +54,34 @@ def test_table_has_both_optimizers_with_finite_losses(demo_output):
   assert _row(demo_output, "variance froze")[1].startswith(f"after step {FREEZE} ")
 
 
+def _leaf_sizes(vocab, context=16, hidden=256, embed=16):
+  """The demo model's leaves (its defaults), in flattening order: embed, h1, h2, out (b, w)."""
+  return [vocab * embed, hidden, context * embed * hidden, hidden, hidden * hidden,
+          vocab, hidden * vocab]
+
+
 def test_bytes_match_the_ring_and_two_phase_formulas(demo_output):
-  # Independent of onebit_optax: the textbook formulas, from the printed size.
+  # Independent of onebit_optax: the textbook formulas, from the printed sizes.
   num_params = int(re.search(r"^([\d,]+) parameters", demo_output, re.M)[1].replace(",", ""))
+  vocab = int(re.search(r"vocabulary (\d+)", demo_output)[1])
+  sizes = _leaf_sizes(vocab)
+  assert sum(sizes) == num_params  # the model the test describes is the demo's
   n = DEVICES
   allreduce = 2 * (n - 1) / n * num_params * 4  # ring all-reduce of float32
-  padded = -(-num_params // (8 * n)) * (8 * n)
-  onebit = 2 * (n - 1) * (padded / (8 * n) + 4)  # all_to_all + all_gather of packed signs
+  # 1-bit Adam's flat buffer: every leaf padded to blocks of 128, the whole to n
+  # chunks; its warmup all-reduces the padded buffer, its compression phase sends
+  # the packed signs plus one float32 scale per leaf piece of a chunk (tests/_flat).
+  onebit_warmup = _flat.allreduce_bytes(sizes, n)
+  onebit = _flat.compressed_bytes(sizes, n)  # all_to_all + all_gather of packed signs
+  assert onebit_warmup <= 1.001 * allreduce  # the padding costs almost nothing here
 
   full_adam, full_onebit = (
       _bytes(c) for c in _row(demo_output, "bytes/device/step, full precision"))
   assert full_adam == pytest.approx(allreduce, rel=1e-3)
-  assert full_onebit == pytest.approx(allreduce, rel=1e-3)
+  assert full_onebit == pytest.approx(onebit_warmup, rel=1e-3)
   assert _bytes(_row(demo_output, "bytes/device/step, 1-bit phase")[1]) == pytest.approx(
       onebit, rel=1e-3)
   total_adam, total_onebit = (_bytes(c) for c in _row(demo_output, "bytes/device, whole run"))
   assert total_adam == pytest.approx(STEPS * allreduce, rel=1e-3)
   assert total_onebit == pytest.approx(
-      FREEZE * allreduce + (STEPS - FREEZE) * onebit, rel=1e-3)
+      FREEZE * onebit_warmup + (STEPS - FREEZE) * onebit, rel=1e-3)
