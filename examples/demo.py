@@ -18,7 +18,7 @@ learning-rate schedule, and run the same ``jax.shard_map`` step over a 1-D
   every step, then applies ``optax.adam``.
 * 1-bit Adam gets the *local* gradients and does the communication itself:
   a full-precision all-reduce while it warms up, then, once the variance is
-  frozen, only the 1-bit signs of the momentum (plus one scale per chunk).
+  frozen, only the 1-bit signs of the momentum (plus one scale per leaf and chunk).
 
 The devices are simulated (``--xla_force_host_platform_device_count``), so the
 wall time says nothing about a network; the bytes are what each device would
