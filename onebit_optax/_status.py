@@ -50,11 +50,11 @@ class Status(NamedTuple):
     if self.phase == "compression":
       head = f"step {self.step}: compression (froze after step {self.freeze_step})"
     else:
-      head = f"step {self.step}: warmup, never froze: {self.reason}"
+      head = f"step {self.step}: warmup (never froze in {self.step} steps): {self.reason}"
     if self.adam_bytes > 0:
       wire = (f"bytes/device so far {_fmt_bytes(self.bytes_sent)} vs "
               f"{_fmt_bytes(self.adam_bytes)} for Adam "
-              f"({self.adam_bytes / max(self.bytes_sent, 1.0):.2f}x fewer)"
+              f"(Adam / 1-bit Adam = {self.adam_bytes / max(self.bytes_sent, 1.0):.2f}x)"
               + ("" if self.bytes_exact else " (estimate)"))
     else:
       wire = "no communication (one device)"
