@@ -9,6 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import onebit_optax
+import _flat
 from examples import _data
 from examples import bert_linen
 from examples import gpt_nnx
@@ -29,9 +30,22 @@ def ring_allreduce_bytes(d, n):
   return 2 * (n - 1) / n * d * 4  # reduce-scatter + all-gather of float32.
 
 
-def onebit_bytes(d, n):
-  padded = -(-d // (8 * n)) * 8 * n  # whole bytes of signs in each of the n chunks.
-  return 2 * (n - 1) * (padded // (8 * n) + 4)  # two phases: packed chunk + f32 scale per peer.
+def leaf_sizes(example):
+  """Sizes of the example model's parameter leaves at TINY's shapes, in flattening order.
+
+  1-bit Adam lays them out in its flat buffer in that order (each on blocks of
+  128), which sets the padding and the scales per chunk (tests/_flat.py).
+  """
+  vocab = _data.load_corpus().vocab_size
+  if example == "gpt_onebit":
+    model = gpt_nnx.CharTransformer(vocab, d_model=32, num_layers=1, num_heads=2, block_size=16,
+                                    rngs=nnx.Rngs(0))
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  else:
+    model = bert_linen.CharBert(vocab, d_model=32, num_layers=1, num_heads=2, max_len=16)
+    leaves = jax.tree.leaves(jax.eval_shape(
+        model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 16), np.int32))["params"])
+  return [int(np.prod(x.shape)) for x in leaves]
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +73,11 @@ def test_onebit_example_trains_and_switches_phase(run, request):
   assert r["val_loss"] < 0.85 * r["initial_val_loss"]
   assert np.mean(r["train_losses"][-3:]) < np.mean(r["train_losses"][:3])
   assert r["frozen"] and r["freeze_step"] == FREEZE
-  # Steps 1..5 all-reduce in float32, steps 6..12 send 1-bit momenta.
-  d, n = r["num_params"], DEVICES
-  expected = FREEZE * ring_allreduce_bytes(d, n) + (STEPS - FREEZE) * onebit_bytes(d, n)
+  # Steps 1..5 all-reduce the padded float32 buffer, steps 6..12 send 1-bit momenta.
+  sizes, n = leaf_sizes(run), DEVICES
+  assert sum(sizes) == r["num_params"]
+  expected = (FREEZE * _flat.allreduce_bytes(sizes, n)
+              + (STEPS - FREEZE) * _flat.compressed_bytes(sizes, n))
   np.testing.assert_allclose(r["bytes_per_device"], expected, rtol=1e-6)
   assert r["bytes_total"] == pytest.approx(n * expected)
 
@@ -96,8 +112,7 @@ def test_nnx_optimizer_state_is_sharded_like_state_partition_specs():
   create_optimizer, _, _ = gpt_nnx.build_steps(mesh, gpt_nnx.make_optimizer(args), onebit=True)
   state = nnx.as_pure(create_optimizer(model).opt_state)
   specs = onebit_optax.state_partition_specs(state, "data")
-  num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  padded = -(-num_params // (8 * DEVICES)) * 8 * DEVICES
+  padded = _flat.padded(leaf_sizes("gpt_onebit"), DEVICES)
   sharded = 0
   for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(specs)):
     if spec == P("data"):
