@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
+import _flat
 import _hlo
 
 N = 8
@@ -86,6 +87,10 @@ def _num_params(params):
   return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
 
 
+def _sizes(params):
+  return [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+
+
 def _large(collectives):
   return [c for c in collectives if c.size > SCALAR_ELEMENTS]
 
@@ -130,9 +135,14 @@ def test_compression_wire_bytes_at_most_a_thirtieth_of_fp32_allreduce(linear_pha
         f"fp32 ring all-reduce {allreduce:.0f} B, compression branch (HLO) {compressed:.0f} B, "
         f"ratio {ratio:.2f}x")
   assert compressed <= allreduce / 30, ratio
-  # The packed collectives move exactly what the optimizer reports in its state.
+  # The packed collectives move exactly the signs of the block-padded flat buffer
+  # and one float32 scale per leaf piece of a chunk (tests/_flat.py; here 520
+  # blocks of 128, 2 scales per chunk), which is what the optimizer reports.
+  sizes = _sizes(params)
   packed = _hlo.total_wire_bytes([c for c in linear_phases.compression if c.dtypes == {"u8"}], N)
-  assert packed == onebit_optax.compressed_wire_bytes(onebit_optax.padded_size(d, N), N)
+  assert packed == _flat.compressed_bytes(sizes, N)
+  assert packed == onebit_optax.compressed_wire_bytes(
+      _flat.padded(sizes, N), N, _flat.max_segments(sizes, N))
 
 
 def test_warmup_branch_allreduces_the_fp32_gradient(linear_phases):
@@ -142,8 +152,11 @@ def test_warmup_branch_allreduces_the_fp32_gradient(linear_phases):
   assert len(big) == 1, [str(c) for c in linear_phases.warmup]
   (allreduce,) = big
   assert allreduce.collective == "all-reduce"
-  assert allreduce.dtypes == {"f32"} and allreduce.size == d, str(allreduce)
-  assert allreduce.wire_bytes(N) == onebit_optax.allreduce_wire_bytes(d, N)
+  # The flat buffer, each leaf padded to blocks of 128: 65 664 -> 66 560 elements.
+  padded = _flat.padded(_sizes(params), N)
+  assert d <= padded <= 1.02 * d
+  assert allreduce.dtypes == {"f32"} and allreduce.size == padded, str(allreduce)
+  assert allreduce.wire_bytes(N) == onebit_optax.allreduce_wire_bytes(padded, N)
   assert not any(c.collective == "all-to-all" for c in linear_phases.warmup)
 
 
@@ -160,8 +173,9 @@ def test_collective_count_does_not_depend_on_the_number_of_leaves(linear_phases,
   # The 50-leaf model obeys the same rules as the 2-leaf one.
   assert not _large(deep_phases.outside)
   assert all(c.dtypes == {"u8"} for c in _large(deep_phases.compression))
-  d = _num_params(_deep_model()[0])
-  assert [c.size for c in _large(deep_phases.warmup)] == [d]
+  # One all-reduce of the flat buffer: 50 leaves of 256 or 16 elements, each on
+  # whole blocks of 128 (6800 parameters in 10 240 elements).
+  assert [c.size for c in _large(deep_phases.warmup)] == [_flat.padded(_sizes(_deep_model()[0]), N)]
 
 
 def test_parser_detects_a_full_precision_gradient_allreduce(mesh):
