@@ -137,7 +137,8 @@ def _rank(args):
 
   fresh_params = jax.jit(init_params, out_shardings=replicated)
   tokens, labels = jax.jit(make_batch, out_shardings=(batched, batched))(jax.random.key(1))
-  num_params = sum(x.size for x in jax.tree.leaves(jax.eval_shape(init_params, jax.random.key(0))))
+  shapes = jax.eval_shape(init_params, jax.random.key(0))
+  num_params = sum(x.size for x in jax.tree.leaves(shapes))
 
   def make_step(tx, state_specs, reduce_grads):
     # With one rank and Adam, no pmean (see below), so the gradients stay typed
@@ -180,6 +181,7 @@ def _rank(args):
     return np.asarray(x.addressable_data(0)).item()
 
   results = {"rank": args.rank, "num_params": int(num_params), "num_ranks": args.num_ranks,
+             "leaf_shapes": [list(x.shape) for x in jax.tree.leaves(shapes)],
              "iface": iface, "modes": {}}
   nsteps, repeats = args.steps, args.repeats
 
@@ -229,38 +231,8 @@ def _rank(args):
         "first_step_s": first, "blocks": warm, "state_wire_bytes": warm_wire}
     results["modes"]["onebit_compression"] = {"blocks": comp, "state_wire_bytes": comp_wire}
 
-  # --- the benchmark-local prototype of a leaner compression step ---------------
-  if "proto" in args.modes:
-    import _prototype  # benchmarks/_prototype.py, next to this script
-
-    n = args.num_ranks
-    pspecs = _prototype.state_specs("data")
-    params = fresh_params(jax.random.key(0))
-    pstate = jax.jit(jax.shard_map(
-        lambda p: _prototype.init(p, n), mesh=mesh, in_specs=P(), out_specs=pspecs))(params)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(P(), pspecs, P("data"), P("data")),
-        out_specs=(P(), pspecs, P()))
-    def proto_step(params, state, tokens, labels):
-      loss, grads = jax.value_and_grad(loss_fn)(
-          onebit_optax.local_params(params, "data"), tokens, labels)
-      updates, state = _prototype.update(grads, state, 1e-3, "data", n)
-      return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
-
-    t = time.perf_counter()
-    params, pstate, _ = run_block(proto_step, params, pstate, 1)
-    blocks = []
-    for _ in range(repeats):
-      params, pstate, block = run_block(proto_step, params, pstate, nsteps)
-      blocks.append(block)
-    results["modes"]["prototype_compression"] = {
-        "first_step_s": time.perf_counter() - t, "blocks": blocks}
-    del params, pstate
-
   if args.profile:
-    results["profile"] = _profile_collectives(args, mesh, num_params)
+    results["profile"] = _profile_collectives(args, mesh, shapes)
 
   with open(args.out, "w") as f:
     json.dump(results, f)
@@ -268,15 +240,17 @@ def _rank(args):
     jax.distributed.shutdown()
 
 
-def _profile_collectives(args, mesh, num_params):
+def _profile_collectives(args, mesh, shapes):
   """Times the collectives of one step on their own, on parameter-sized buffers.
 
   Each is jitted under shard_map over all ranks and timed after compilation
-  (median of --profile-repeats): the float32 pmean of Adam's gradients, the
-  two uint8 collectives of compressed_mean (all_to_all of packed chunks,
-  all_gather of packed server chunks), compressed_mean as a whole, and the same
-  compressed_mean without communication (axis_name=None on this rank) for the
-  compute part.
+  (median of --profile-repeats): the float32 pmean of the flat padded buffer
+  (1-bit Adam's warmup all-reduce; Adam's is the same size up to padding), the
+  two uint8 collectives of compressed_mean (all_to_all of packed chunks with
+  their scales, all_gather of packed server chunks with theirs),
+  compressed_mean as a whole on the optimizer's layout of the model, and the
+  same compressed_mean without communication (axis_name=None on this rank) for
+  the compute part.
   """
   import functools
 
@@ -286,10 +260,12 @@ def _profile_collectives(args, mesh, num_params):
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import onebit_optax
+  from onebit_optax import _layout  # the optimizer's flat layout (private)
 
   n = args.num_ranks
-  d = onebit_optax.padded_size(num_params, n)
-  row = d // (8 * n) + 4
+  layout = _layout.layout_for(shapes, n)
+  d = layout.padded
+  row = layout.chunk // 8 + 4 * layout.max_segments  # packed signs + float32 scales
   sharded = NamedSharding(mesh, P("data"))
 
   def per_rank(shape, dtype, key):
@@ -300,7 +276,6 @@ def _profile_collectives(args, mesh, num_params):
   smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
   x = per_rank((d,), jnp.float32, 1)
   rows = per_rank((n, row), jnp.uint8, 2)
-  import _prototype  # benchmarks/_prototype.py
   msg = per_rank((row,), jnp.uint8, 3)
   errors = (per_rank((d,), jnp.float32, 4) * 0, per_rank((d // n,), jnp.float32, 5) * 0)
   # Note: a collective whose result is unused is removed by XLA, so every result
@@ -310,21 +285,19 @@ def _profile_collectives(args, mesh, num_params):
   gather = jax.jit(smap(lambda m: jax.lax.all_gather(m, "data").reshape(-1)))
   cmean = jax.jit(jax.shard_map(
       lambda v, e: (lambda m, we, se: (m[None], (we, se)))(
-          *onebit_optax.compressed_mean(v, e[0], e[1], "data")),
+          *onebit_optax.compressed_mean(v, e[0], e[1], "data", layout=layout)),
       mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data"))))
-  proto = jax.jit(jax.shard_map(
-      lambda v, e: (lambda m, we, se: (m[None], (we, se)))(
-          *_prototype.compressed_mean(v, e[0], e[1], "data", n)),
-      mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data"))))
-  local = jax.jit(lambda v, we, se: onebit_optax.compressed_mean(v, we, se, None))
-  lx = jnp.asarray(np.asarray(x.addressable_data(0)))
+  # Alone, this rank is worker and server of the whole vector (server error of
+  # size d): an upper bound on the compute of the n-rank call.
+  layout_1 = _layout.layout_for(shapes, 1)
+  local = jax.jit(lambda v, we, se: onebit_optax.compressed_mean(v, we, se, None, layout=layout_1))
+  lx = jnp.asarray(np.asarray(x.addressable_data(0))[:layout_1.padded])
   lwe, lse = jnp.zeros_like(lx), jnp.zeros_like(lx)
   cases = {
-      "pmean f32 (Adam's all-reduce)": lambda: pmean(x),
+      "pmean f32 of the padded buffer (warmup's all-reduce)": lambda: pmean(x),
       "all_to_all uint8 (phase 1)": lambda: a2a(rows),
       "all_gather uint8 (phase 2)": lambda: gather(msg),
       "compressed_mean, n ranks": lambda: cmean(x, errors),
-      "prototype compressed_mean (row sum), n ranks": lambda: proto(x, errors),
       "compressed_mean, no communication (n=1)": lambda: local(lx, lwe, lse),
   }
   out = {}
@@ -358,7 +331,7 @@ def main(argv=None):
   rk.add_argument("--seq", type=int, required=True)
   rk.add_argument("--steps", type=int, required=True, help="timed steps per repeat")
   rk.add_argument("--repeats", type=int, required=True)
-  rk.add_argument("--modes", default="adam,onebit,proto")
+  rk.add_argument("--modes", default="adam,onebit")
   rk.add_argument("--profile", action="store_true", help="also time the collectives alone")
   rk.add_argument("--profile-repeats", type=int, default=3)
   rk.add_argument("--out", required=True)

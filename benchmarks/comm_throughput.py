@@ -25,8 +25,16 @@ minutes. What it does:
    cores but each on its own (1-device mesh, so no collective at all).
 5. Prints and saves a table (benchmarks/results/comm_throughput.md) and a plot
    (benchmarks/results/comm_throughput.png): throughput ratio 1-bit/Adam, bytes
-   per step measured and predicted (onebit_optax.allreduce_wire_bytes /
-   compressed_wire_bytes), compute time, and the alpha-beta model's ratio:
+   per step measured and predicted, compute time, and the alpha-beta model's
+   ratio. Predicted bytes per rank per step, from the optimizer's flat layout
+   (every leaf padded to a multiple of 128 elements, the total to a multiple of
+   128 n; ``padded`` elements, ``max_segments`` scales per chunk):
+
+       Adam (ring all-reduce of the tree)    2 (n-1)/n * 4 * num_params
+       1-bit warmup (all-reduce, flat)       2 (n-1)/n * 4 * padded
+       1-bit compression (two uint8 phases)  2 (n-1) * (padded / (8 n) + 4 * max_segments)
+
+   and the alpha-beta model:
 
        t_adam   = t_compute_adam + bytes_adam / bandwidth
        t_onebit = t_compute_onebit + bytes_onebit / bandwidth
@@ -55,12 +63,10 @@ import _netns  # noqa: E402  (benchmarks/_netns.py)
 
 WORKER = HERE / "_comm_worker.py"
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-MODES = ("adam", "onebit_warmup", "onebit_compression", "prototype_compression")
+MODES = ("adam", "onebit_warmup", "onebit_compression")
 LABELS = {"adam": "optax.adam + pmean", "onebit_warmup": "onebit_adam warmup",
-          "onebit_compression": "onebit_adam compression",
-          "prototype_compression": "prototype compression (benchmarks/_prototype.py)"}
-SHORT = {"adam": "adam", "onebit_warmup": "1-bit warmup", "onebit_compression": "1-bit compression",
-         "prototype_compression": "prototype"}
+          "onebit_compression": "onebit_adam compression"}
+SHORT = {"adam": "adam", "onebit_warmup": "1-bit warmup", "onebit_compression": "1-bit compression"}
 COORD_PORT = 12355
 
 
@@ -79,9 +85,9 @@ def _parse_args(argv=None):
   p.add_argument("--loopback", action="store_true", help="skip namespaces: plain loopback")
   p.add_argument("--profile", action="store_true",
                  help="also time the collectives of a step on their own (adds ~1 min per rate)")
-  p.add_argument("--modes", default="adam,onebit,proto",
-                 help="what the ranks train (default adam,onebit,proto; proto = the "
-                      "benchmark-local prototype of a leaner compression step)")
+  p.add_argument("--modes", default="adam,onebit",
+                 help="what the ranks train: adam, onebit (warmup then compression) or both "
+                      "(default adam,onebit)")
   p.add_argument("--timeout", type=float, default=1200, help="seconds per group of ranks")
   p.add_argument("--out-dir", default=str(HERE / "results"))
   p.add_argument("--name", default=None, help="output file stem (default comm_throughput, or "
@@ -183,14 +189,27 @@ def _summarize(results: list[dict], bytes_divisor: float = 1.0) -> dict:
   return summary
 
 
-def _predicted_bytes(num_params: int, n: int) -> dict:
-  import onebit_optax
-  full = onebit_optax.allreduce_wire_bytes(num_params, n)
-  pred = {"adam": full, "onebit_warmup": full,
-          "onebit_compression": onebit_optax.compressed_wire_bytes(
-              onebit_optax.padded_size(num_params, n), n)}
-  pred["prototype_compression"] = pred["onebit_compression"]
-  return pred
+def _layout(leaf_shapes: list, n: int):
+  """The optimizer's flat layout of the model's leaves on ``n`` ranks."""
+  import numpy as np
+  from onebit_optax import _layout as layout_lib  # (private: the layout is not public API)
+  return layout_lib.layout_for([np.empty(s, np.uint8) for s in leaf_shapes], n)
+
+
+def _predicted_bytes(num_params: int, leaf_shapes: list, n: int) -> dict:
+  """Bytes each rank sends per step, per mode (ring all-reduce; two uint8 phases).
+
+  Adam all-reduces the gradient tree (``num_params`` float32); 1-bit Adam's
+  warmup all-reduces the flat buffer of ``padded`` float32 (every leaf padded to
+  a multiple of 128, the total to a multiple of 128 n); its compression phase
+  sends, in each of two phases, n - 1 packed chunks of padded / (8 n) bytes,
+  each followed by ``max_segments`` float32 scales.
+  """
+  layout = _layout(leaf_shapes, n)
+  compressed = 2 * (n - 1) * (layout.padded / (8 * n) + 4 * layout.max_segments)
+  return {"adam": 2 * (n - 1) / n * 4 * num_params,
+          "onebit_warmup": 2 * (n - 1) / n * 4 * layout.padded,
+          "onebit_compression": compressed}
 
 
 def _uptime() -> str:
@@ -210,9 +229,11 @@ def _fmt_bytes(b: float) -> str:
   return f"{b:.0f} B"
 
 
-def _report(args, runs: list[dict], compute: dict, num_params: int, header: list[str]) -> list[str]:
+def _report(args, runs: list[dict], compute: dict, num_params: int, leaf_shapes: list,
+            header: list[str]) -> list[str]:
   n = args.ranks
-  pred = _predicted_bytes(num_params, n)
+  pred = _predicted_bytes(num_params, leaf_shapes, n)
+  layout = _layout(leaf_shapes, n)
   tc = compute["summary"]
   modes = [m for m in MODES if m in tc]
   t_adam_c = tc["adam"]["step_s"]
@@ -247,6 +268,11 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, header: list
         f"Measured TCP goodput between two ranks: {bw / 1e6:.1f} MB/s "
         f"({bw * 8 / 1e9:.3f} Gbit/s), round trip {rtt * 1e6:.0f} us. "
         f"Load before the run: {run['load']}.",
+        "",
+        f"Predicted bytes from the optimizer's layout: {len(leaf_shapes)} leaves, "
+        f"{num_params:,} parameters padded to {layout.padded:,} elements, "
+        f"{layout.max_segments} scales per chunk; compression 2(n-1)(padded/(8n) + "
+        f"4 max_segments), warmup and Adam 2(n-1)/n x 4 bytes x (padded or parameters).",
         "",
         "| step | median s/step | repeats min-max | steps/s | vs Adam | bytes sent/rank/step "
         "(measured) | predicted | measured/predicted |",
@@ -370,7 +396,7 @@ def main(argv=None):
     local = _run_ranks([_worker_cmd(args, r, 1, None, "lo") for r in range(n)],
                        workdir, args.timeout, "compute")
     compute = {"summary": _summarize(local)}
-    num_params = local[0]["num_params"]
+    num_params, leaf_shapes = local[0]["num_params"], local[0]["leaf_shapes"]
     for mode in compute["summary"]:
       print(f"    {LABELS[mode]:28s} {compute['summary'][mode]['step_s']:.3f} s/step", flush=True)
 
@@ -415,7 +441,7 @@ def main(argv=None):
   import optax
   import onebit_optax
   header = [
-      "# Communication benchmark: Adam vs 1-bit Adam, 4 CPU ranks",
+      f"# Communication benchmark: Adam vs 1-bit Adam, {n} CPU ranks",
       "",
       f"Command: `python benchmarks/comm_throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
       .replace("  ", " ").rstrip() + f" (took {time.time() - t0:.0f} s).",
@@ -428,17 +454,16 @@ def main(argv=None):
       f"`uptime` at start: {start_load}",
       f"`uptime` at end: {_uptime()}",
   ]
-  lines = _report(args, runs, compute, num_params, header)
+  lines = _report(args, runs, compute, num_params, leaf_shapes, header)
   goal = [r for r in runs if r["short_label"] == "1gbit"]
   if goal:
     lines += ["## Against the goal", ""]
-    for mode in ("onebit_compression", "prototype_compression"):
-      m = goal[0]["model"].get(mode)
-      if m:
-        lines.append(
-            f"- {LABELS[mode]}, 1 Gbit/s, {n} ranks: {m['achieved']:.2f}x Adam's throughput "
-            f"(goal >= 4x); {m['achieved'] / m['predicted']:.0%} of the alpha-beta model's "
-            f"{m['predicted']:.2f}x (goal >= 80%).")
+    m = goal[0]["model"].get("onebit_compression")
+    if m:
+      lines.append(
+          f"- {LABELS['onebit_compression']}, 1 Gbit/s, {n} ranks: {m['achieved']:.2f}x Adam's "
+          f"throughput (issue 9's goal: >= 3x); the alpha-beta model with the measured compute "
+          f"predicts {m['predicted']:.2f}x (measured/model {m['achieved'] / m['predicted']:.0%}).")
     lines.append("")
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
