@@ -29,6 +29,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
+import _flat
 
 pytestmark = pytest.mark.timeout(300, method="thread")
 
@@ -36,6 +37,7 @@ N = 8
 BAD_DEVICE = 5
 FEATURES, OUTPUTS, LOCAL_BATCH = 12, 3, 4
 SIZE = FEATURES * OUTPUTS + OUTPUTS
+LEAF_SIZES = [OUTPUTS, FEATURES * OUTPUTS]  # b, w: the flattening order
 FREEZE_AT = 4  # steps 1..4 warmup (step 4 freezes), 5.. compression
 NUM_BATCHES = 10
 LR = 0.05
@@ -137,6 +139,12 @@ def _assert_same(snap_a, snap_b, what, ignore=()):
       assert _bitwise_equal(x, y), f"{what}: field {field} leaf {i} differs"
 
 
+def _moments(snap, params, device):
+  """(mu, nu) as trees, from one device's copy of a state snapshot."""
+  state = onebit_optax.ScaleByOnebitAdamState(*(leaf[device] for leaf in snap))
+  return jax.tree.map(np.asarray, onebit_optax.moments(state, params))
+
+
 def _assert_replicas_agree(snap, what):
   """A replicated value must be bitwise the same on all 8 devices."""
   for field in ("count", "mu", "nu", "frozen", "freeze_step", "variance_ratio",
@@ -181,9 +189,8 @@ def test_one_bad_device_skips_everywhere_and_the_skip_is_a_no_op(
   _assert_same(params_after, params_before, "params across the skipped step")
   _assert_same(state_after, state_before, "state across the skipped step",
                ignore=("skipped_steps", "wire_bytes"))
-  padded = onebit_optax.padded_size(SIZE, N)
-  expected_bytes = (onebit_optax.compressed_wire_bytes(padded, N) if phase == "compression"
-                    else onebit_optax.allreduce_wire_bytes(SIZE, N))
+  expected_bytes = (_flat.compressed_bytes(LEAF_SIZES, N) if phase == "compression"
+                    else _flat.allreduce_bytes(LEAF_SIZES, N))
   assert all(float(b) == expected_bytes for b in state_after.wire_bytes)  # it did communicate
 
   # Before: identical to the run without the bad batch. After: shifted by one
@@ -208,8 +215,9 @@ def test_one_bad_device_skips_everywhere_and_the_skip_is_a_no_op(
 def test_skip_nonfinite_false_propagates_nan(mesh, problem):
   # Documented: with skip_nonfinite=False a NaN enters the moments, as in optax.adam.
   # Warmup is elementwise after the pmean, so only the poisoned coordinate turns
-  # NaN; in the compression phase the poisoned device's RMS scale is NaN and it
-  # reaches every server chunk, so the whole momentum and every parameter turn NaN.
+  # NaN; in the compression phase the poisoned device's scale of 'w' is NaN and
+  # reaches the server of w's chunk, so all of w's momentum and parameters turn
+  # NaN on every device, while 'b' (a leaf of its own, with its own scales) does not.
   params0, batches = problem
   trainer = _Trainer(mesh, params0, skip_nonfinite=False)
   warm = trainer.run(batches[:3], bad_at=1, bad_value=np.nan)
@@ -218,15 +226,19 @@ def test_skip_nonfinite_false_propagates_nan(mesh, problem):
   for copy in params["w"]:
     nan = np.isnan(copy)
     assert nan[0, 0] and nan.sum() == 1, nan.sum()
-  assert np.isnan(state.mu["w"][0][0, 0]) and np.isnan(state.nu["w"][0][0, 0])
+  mu, nu = _moments(state, params0, 0)
+  assert np.isnan(mu["w"][0, 0]) and np.isnan(nu["w"][0, 0])
+  assert np.isnan(mu["w"]).sum() == 1 and np.all(np.isfinite(mu["b"]))
   assert np.all(np.isfinite(params["b"][0]))
 
   comp = trainer.run(batches[:8], bad_at=6, bad_value=np.nan)
   params, state = comp[6]
   assert int(state.skipped_steps[0]) == 0
-  for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, list)):
-    assert all(np.all(np.isnan(copy)) for copy in leaf)
-  assert all(np.all(np.isnan(copy)) for copy in state.mu["w"])
+  assert all(np.all(np.isnan(copy)) for copy in params["w"])
+  assert all(np.all(np.isfinite(copy)) for copy in params["b"])
+  for device in range(N):
+    mu, _ = _moments(state, params0, device)
+    assert np.all(np.isnan(mu["w"])) and np.all(np.isfinite(mu["b"])), device
   assert np.all(np.isfinite(comp[5][0]["w"][0]))  # the step before was fine
 
 
