@@ -130,14 +130,14 @@ class FlatLayout:
   def flatten(self, tree) -> jax.Array:
     """The leaves of ``tree`` (shaped like this layout) as one padded float32 vector.
 
-    XLA:CPU fuses a concatenate into its producers and consumers as a
-    per-element choice between operands, several times slower than a copy;
-    fenced by ``optimization_barrier`` it stays one plain copy (measured 3x
-    faster at 10M parameters in benchmarks/optimizer_compute.py). On GPU/TPU the
-    fence only blocks fusion, so it is used on CPU only. Zero-size leaves emit no
-    operand (XLA 0.11 crashed compiling zero-size operands of a fenced concatenate).
+    One concatenate. On XLA:CPU it is the most expensive pass of the
+    compression step (a per-element choice between operands into a fresh
+    buffer: ~100 ms for 10M parameters, against ~8 ms for copying the leaves
+    into a donated buffer; see benchmarks/optimizer_compute.py); the warmup step
+    uses :meth:`combine_into` instead. Zero-size leaves emit no operand (XLA 0.11
+    crashed compiling zero-size operands of a fenced concatenate).
     """
-    pieces, fence = [], jax.default_backend() == "cpu"
+    pieces = []
     for leaf, size in zip(jax.tree.leaves(tree), self.sizes):
       if size == 0:
         continue
@@ -147,20 +147,16 @@ class FlatLayout:
         pieces.append(jnp.zeros((pad,), jnp.float32))
     if self.padded > self.used:
       pieces.append(jnp.zeros((self.padded - self.used,), jnp.float32))
-    if len(pieces) == 1:
-      return pieces[0]
-    if fence:
-      pieces = jax.lax.optimization_barrier(pieces)
-      return jax.lax.optimization_barrier(jnp.concatenate(pieces))
-    return jnp.concatenate(pieces)
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
   def combine_into(self, flat: jax.Array, tree, fn) -> jax.Array:
     """``flat`` with each leaf's slice replaced by ``fn(leaf, old_slice)`` (both flat float32).
 
     A chain of ``dynamic_update_slice``: XLA updates ``flat`` in place when its
-    buffer is donated, so no full-size temporary is written (a concatenate of
-    the leaves costs a fresh buffer, several times a donated in-place pass on
-    XLA:CPU; measured in benchmarks/optimizer_compute.py).
+    buffer is donated, so no full-size temporary is written. Fast on XLA:CPU
+    only when ``fn`` ignores the old slice (copying 10M parameters: ~8 ms);
+    reading the slice being overwritten makes XLA:CPU emit a slow
+    dynamic-update-slice fusion (~700 ms, measured on jax 0.10.2).
     """
     for leaf, offset, size in zip(jax.tree.leaves(tree), self.offsets, self.sizes):
       if size:
