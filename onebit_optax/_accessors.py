@@ -141,11 +141,11 @@ def moments(opt_state, params):
   r"""The first and second moments as trees shaped like ``params``.
 
   The state keeps them as flat padded vectors (see
-  :class:`ScaleByOnebitAdamState`). During warmup ``nu`` is Adam's raw second
-  moment :math:`v_t` (as in :func:`optax.scale_by_adam`'s state); after the freeze
-  it is the variance the preconditioner really uses,
-  :math:`\max(\hat v_{T_0}, f\,\overline{\hat v}_\ell)` (bias-corrected and
-  floored; 0 where the coordinate never had a gradient).
+  :class:`ScaleByOnebitAdamState`). ``nu`` is Adam's raw second moment
+  :math:`v_t` (as in :func:`optax.scale_by_adam`'s state), frozen at
+  :math:`v_{T_0}` after the switch; the update uses
+  :math:`\max(v_{T_0}/(1-\beta_2^{T_0}), \text{floor})` (see
+  :func:`scale_by_onebit_adam`).
 
   Args:
     opt_state: the optimizer state, or any optax state that contains exactly one
@@ -167,9 +167,9 @@ def moments(opt_state, params):
     Array([0.1, 0.2, 0.3], dtype=float32)
   """
   state = _find_state(opt_state)
-  mu, nu, frozen = (jnp.asarray(_plain(x)) for x in (state.mu, state.nu, state.frozen))
+  mu, nu = (jnp.asarray(_plain(x)) for x in (state.mu, state.nu))
   if mu.ndim == 2:  # pmap: one copy per device
-    mu, nu, frozen = mu[0], nu[0], frozen[0]
+    mu, nu = mu[0], nu[0]
   leaves = jax.tree.leaves(params)
   n = max(1, round(mu.shape[0] / max(1, jnp.shape(_plain(state.server_error))[-1])))
   layout = _layout.layout_for(params, n)
@@ -179,9 +179,5 @@ def moments(opt_state, params):
         f"({layout.size} parameters in {len(leaves)} leaves) lay out to {layout.padded}; "
         "pass the params the optimizer was initialised with.")
   mu, nu = mu.astype(jnp.float32), nu.astype(jnp.float32)
-  # After the freeze nu holds p = 1/(sqrt(v) + eps); eps is not stored, and
-  # 1/p - eps differs from 1/p only where v ~ eps^2, so 1/p^2 is reported.
-  variance = jnp.where(nu > 0, 1.0 / jnp.square(jnp.where(nu > 0, nu, 1.0)), 0.0)
-  nu = jnp.where(frozen, variance, nu)
   treedef = jax.tree.structure(params)
   return layout.unflatten(mu, treedef), layout.unflatten(nu, treedef)

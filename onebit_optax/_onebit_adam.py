@@ -46,7 +46,7 @@ class ScaleByOnebitAdamState(NamedTuple):
   count: jax.Array  # shape=(), dtype=int32: optimizer steps taken.
   leaf_sizes: jax.Array  # shape=(num_leaves,), dtype=int32: elements per leaf, checked against the gradients.
   mu: jax.Array  # shape=(padded,), dtype=moment_dtype (float32): first moment, flat (replicated).
-  nu: jax.Array  # shape=(padded,), dtype=moment_dtype: raw second moment; from the freeze on, the preconditioner 1/(sqrt(max(v_hat, floor)) + eps) (0 where v_hat = 0).
+  nu: jax.Array  # shape=(padded,), dtype=moment_dtype: second moment, raw (no bias correction); frozen after the switch.
   frozen: jax.Array  # shape=(), dtype=bool: True once in the compression phase.
   freeze_step: jax.Array  # shape=(), dtype=int32: last warmup step (0 while warming up).
   variance_ratio: jax.Array  # shape=(), dtype=float32: last ||v_hat_t||_1 / ||v_hat_{t-Δ}||_1 (NaN before the first).
@@ -73,7 +73,6 @@ class _Hyper(NamedTuple):
 class _Step(NamedTuple):
   """What one branch of the phase switch computed."""
 
-  direction: Any  # the flat update, then (in update_fn) the update tree.
   finite: jax.Array
   mu: jax.Array
   nu: jax.Array
@@ -157,25 +156,38 @@ def _bias_correction(decay, count):
   return 1.0 - jnp.asarray(decay, jnp.float32) ** count
 
 
-def preconditioner(nu, count, layout: _layout.FlatLayout, b2, eps, variance_floor):
-  r"""The frozen preconditioner :math:`p = 1/(\sqrt{\max(\hat v, f \cdot \overline{\hat v}_{leaf})} + \epsilon)`.
-
-  :math:`\hat v = \nu / (1 - \beta_2^{T_0})`; the floor is ``variance_floor``
-  times the mean :math:`\hat v` of the coordinate's leaf; :math:`p = 0` where
-  :math:`\hat v = 0` (a coordinate that never had a gradient never moves).
-  """
+def _leaf_floor(v_hat, layout: _layout.FlatLayout, variance_floor):
+  """``variance_floor`` times the mean of ``v_hat`` over each coordinate's leaf, per block."""
   tables = layout.tables
-  v_hat = (nu / _bias_correction(b2, count)).reshape(-1, layout.block)
   leaf_sum = jax.ops.segment_sum(jnp.sum(v_hat, axis=1), tables.leaf_of_block,
                                  len(tables.leaf_size), indices_are_sorted=True)
   leaf_mean = leaf_sum / tables.leaf_size
-  floor = jnp.asarray(variance_floor, jnp.float32) * leaf_mean[tables.leaf_of_block][:, None]
-  p = jnp.where(v_hat > 0, 1.0 / (jnp.sqrt(jnp.maximum(v_hat, floor)) + eps), 0.0)
-  return p.reshape(-1)
+  return (jnp.asarray(variance_floor, jnp.float32) * leaf_mean)[tables.leaf_of_block][:, None]
+
+
+def _direction(mu, nu, frozen, count, freeze_step, finite, hp: _Hyper, layout):
+  r"""The update: Adam's during warmup, the floored and clipped frozen-variance step after.
+
+  Computed after the phase switch from the new moments, so that the ``lax.cond``
+  returns only the state buffers (XLA updates those in place) and the update
+  leaves are written once, straight from the moments.
+  """
+  blocks = (-1, layout.block)
+  mu_hat = (mu / _bias_correction(hp.b1, count)).reshape(blocks)
+  v_hat = (nu / _bias_correction(hp.b2, jnp.where(frozen, freeze_step, count))).reshape(blocks)
+  # m / (sqrt(v) + eps) exactly as optax.scale_by_adam.
+  adam = mu_hat / (jnp.sqrt(v_hat) + hp.eps)
+  floor = _leaf_floor(v_hat, layout, hp.variance_floor)
+  # A coordinate whose frozen variance is 0 never had a gradient: its momentum
+  # is only the compressor's sign noise, which 1/(0 + eps) would amplify.
+  p = jnp.where(v_hat > 0, 1.0 / (jnp.sqrt(jnp.maximum(v_hat, floor)) + hp.eps), 0.0)
+  bound = adam_update_bound(hp.b1, hp.b2) if hp.max_update is None else hp.max_update
+  step = jnp.where(frozen, jnp.clip(mu_hat * p, -bound, bound), adam)
+  return jnp.where(finite, step, 0.0).reshape(-1)
 
 
 def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
-  """Adam on the full-precision mean gradient (one float32 pmean of the flat buffer)."""
+  """Adam's moments on the full-precision mean gradient (one float32 pmean of the flat buffer)."""
   n = layout.num_devices
   # The worker error buffer is all zeros during warmup (padding included): the
   # gradients are written into it leaf by leaf (in place when the state is
@@ -190,20 +202,12 @@ def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> 
   mu32, nu32 = state.mu.astype(jnp.float32), state.nu.astype(jnp.float32)
   mu = jnp.where(finite, (1.0 - hp.b1) * g + hp.b1 * mu32, mu32)
   nu = jnp.where(finite, (1.0 - hp.b2) * jnp.square(g) + hp.b2 * nu32, nu32)
-  bc2 = _bias_correction(hp.b2, count)
   freeze_now, reference, ratio = _freeze.freeze_decision(
-      hp.policy, count, jnp.sum(nu) / bc2, state.reference_l1, state.variance_ratio, hp.b2)
+      hp.policy, count, jnp.sum(nu) / _bias_correction(hp.b2, count), state.reference_l1,
+      state.variance_ratio, hp.b2)
   freeze_now = freeze_now & finite
-  # m / (sqrt(v) + eps) exactly as optax.scale_by_adam.
-  direction = (mu / _bias_correction(hp.b1, count)) / (jnp.sqrt(nu / bc2) + hp.eps)
-  # At the freeze, nu is replaced once by the preconditioner the compression
-  # phase multiplies with (a cond: no pass over nu on the other warmup steps).
-  nu = jax.lax.cond(
-      freeze_now,
-      lambda v: preconditioner(v, count, layout, hp.b2, hp.eps, hp.variance_floor),
-      lambda v: v, nu)
   return _Step(
-      direction=jnp.where(finite, direction, 0.0), finite=finite, mu=mu, nu=nu,
+      finite=finite, mu=mu, nu=nu,
       frozen=freeze_now, freeze_step=jnp.where(freeze_now, count, 0).astype(jnp.int32),
       variance_ratio=ratio, reference_l1=reference,
       worker_error=_vary(jnp.zeros_like(state.worker_error), hp.axis_name),
@@ -212,7 +216,8 @@ def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> 
 
 
 def _compression(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
-  """Frozen-variance momentum SGD whose momentum is averaged by the 1-bit compressed mean."""
+  """The momentum, from local gradients, averaged by the 1-bit compressed mean; v frozen."""
+  del count
   n = layout.num_devices
   mu32 = state.mu.astype(jnp.float32)
   # One flat copy of the gradients (a dynamic_update_slice into the momentum's
@@ -224,12 +229,8 @@ def _compression(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout
       keep_errors_if_nonfinite=hp.skip_nonfinite)
   if not hp.skip_nonfinite:
     finite = jnp.bool_(True)
-  mu = jnp.where(finite, mean_mu, mu32)
-  bound = adam_update_bound(hp.b1, hp.b2) if hp.max_update is None else hp.max_update
-  step = (mu / _bias_correction(hp.b1, count)) * state.nu.astype(jnp.float32)
-  direction = jnp.where(finite, jnp.clip(step, -bound, bound), 0.0)
   return _Step(
-      direction=direction, finite=finite, mu=mu, nu=state.nu, frozen=state.frozen,
+      finite=finite, mu=jnp.where(finite, mean_mu, mu32), nu=state.nu, frozen=state.frozen,
       freeze_step=state.freeze_step, variance_ratio=state.variance_ratio,
       reference_l1=state.reference_l1,
       worker_error=worker_error[None].astype(state.worker_error.dtype),
@@ -313,8 +314,8 @@ def scale_by_onebit_adam(
     v_t = \beta_2 v_{t-1} + (1-\beta_2)\bar g_t^2, \quad
     u_t = \frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}.
 
-  **Freeze**: at :math:`T_0` the variance is replaced once by the
-  preconditioner
+  **Freeze**: from :math:`T_0` on, :math:`v` is frozen and the update divides
+  by it through the preconditioner
 
   .. math::
 
@@ -440,17 +441,14 @@ def scale_by_onebit_adam(
     layout = _check_update(updates, state, axis_name)
     count_inc = numerics.safe_increment(state.count)
     grads, treedef = jax.tree.flatten(updates)
-    dtypes = [jnp.result_type(g) for g in grads]
-
-    def branch(step_fn):
-      def run(g):  # the update leaves are written inside the branch: no flat result
-        step = step_fn(g, state, count_inc, hp, layout)
-        return step._replace(direction=layout.unflatten(step.direction, treedef, dtypes))
-      return run
-
     # The phase switch. `frozen` is computed from replicated values only, so all
     # devices agree on the branch; only the taken branch's collectives run.
-    step = jax.lax.cond(state.frozen, branch(_compression), branch(_warmup), grads)
+    step = jax.lax.cond(
+        state.frozen,
+        lambda g: _compression(g, state, count_inc, hp, layout),
+        lambda g: _warmup(g, state, count_inc, hp, layout), grads)
+    direction = _direction(step.mu, step.nu.astype(jnp.float32), state.frozen, count_inc,
+                           state.freeze_step, step.finite, hp, layout)
     pick = lambda new, old: jnp.where(step.finite, new, old)
     new_state = ScaleByOnebitAdamState(
         count=pick(count_inc, state.count),
@@ -466,7 +464,8 @@ def scale_by_onebit_adam(
         worker_error=step.worker_error,
         server_error=step.server_error,
     )
-    return step.direction, new_state
+    dtypes = [jnp.result_type(g) for g in grads]
+    return layout.unflatten(direction, treedef, dtypes), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
