@@ -10,8 +10,9 @@ frozen ``v`` is 0, with no user mask.
 Here an embedding table of 50 rows, of which the data only ever indexes rows
 0..29, trains on 8 devices through 5 warmup steps and 55 compression steps.
 Rows 30..49 must equal their initial values bit for bit on every device. To
-show the test has teeth, the momentum those rows carry is fed to the formula
-without the rule (numpy): it would move them by thousands.
+show the test has teeth, the momentum that rows 30 and 31 carry (they share a
+compression segment with used rows) is fed to the formula without the rule
+(numpy): it would move them by thousands.
 
 ``weight_decay`` must be 0 for "exactly unchanged": decoupled decay shrinks
 every parameter by ``(1 - lr * wd)`` per step whatever its gradient (last test).
@@ -86,20 +87,34 @@ def test_unused_rows_bitwise_unchanged_on_8_devices():
     assert copy[unused].tobytes() == params0["embed"][unused].tobytes()
     assert np.all(copy[:USED] != params0["embed"][:USED])
   # What the rule protects them from: v is exactly 0, the momentum is not.
-  nu, mu = np.asarray(s.nu["embed"]), np.asarray(s.mu["embed"])
+  # (moments: the state's flat buffers as trees; after the freeze nu is the
+  # bias-corrected variance the preconditioner uses, 0 where v was 0.)
+  mu, nu = (np.asarray(m["embed"]) for m in onebit_optax.moments(state, params0))
+  # The state itself holds the preconditioner p, 0 there ('embed' is the first
+  # leaf of the flat buffer: offset 0).
+  p = np.asarray(s.nu)[:VOCAB * DIM].reshape(VOCAB, DIM)
+  assert np.all(p[unused] == 0) and np.all(p[:USED] > 0)
   assert np.all(nu[unused] == 0) and np.all(nu[:USED] > 0)
   assert np.all(np.isfinite(mu))
-  assert np.all(mu[unused] != 0), "the compressor should have put sign noise there"
+  # One scale per segment (a leaf's piece of a chunk; here a chunk is one block of
+  # 128 elements = 16 rows): the unused rows that share a block with used rows
+  # (30 and 31) get sign noise; a block of unused rows only has scale 0, and its
+  # momentum stays exactly 0.
+  block = np.arange(VOCAB) * DIM // 128
+  noisy = np.isin(block, block[:USED])[unused]
+  assert noisy.sum() == 2
+  assert np.all(mu[unused][noisy] != 0), "the compressor should have put sign noise there"
+  assert np.all(mu[unused][~noisy] == 0)
 
   # Without the rule (the plain Adam formula, numpy): the last step would have
-  # moved every unused coordinate, by lr * |m_hat| / eps.
-  mu_hat = mu[unused] / np.float32(1 - B1 ** STEPS)
-  nu_hat = nu[unused] / np.float32(1 - B2 ** FREEZE_AT)
+  # moved every noisy unused coordinate, by lr * |m_hat| / eps.
+  mu_hat = mu[unused][noisy] / np.float32(1 - B1 ** STEPS)
+  nu_hat = nu[unused][noisy]  # already bias-corrected (and 0)
   naive_update = -np.float32(LR) * mu_hat / (np.sqrt(nu_hat) + np.float32(EPS))
-  moved = params0["embed"][unused] + naive_update
-  assert np.all(moved != params0["embed"][unused])
-  print(f"\n[zero-grad rows] |m| in [{np.abs(mu[unused]).min():.2e}, "
-        f"{np.abs(mu[unused]).max():.2e}]; naive step would move them by "
+  moved = params0["embed"][unused][noisy] + naive_update
+  assert np.all(moved != params0["embed"][unused][noisy])
+  print(f"\n[zero-grad rows] |m| in [{np.abs(mu[unused][noisy]).min():.2e}, "
+        f"{np.abs(mu[unused][noisy]).max():.2e}]; naive step would move them by "
         f"{np.abs(naive_update).min():.2e}..{np.abs(naive_update).max():.2e} "
         f"(embedding entries are ~0.1)")
   assert np.abs(naive_update).min() > 1.0
