@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One entry point that works on a fresh machine with only Python >= 3.10.
+"""One entry point that works on a fresh machine with only Python >= 3.11.
 
     python3 dev.py demo [ARGS...]   # the main job: Adam vs 1-bit Adam on 8 simulated CPU devices
     python3 dev.py test [ARGS...]   # the test suite (pytest; extra ARGS are passed on)
@@ -8,8 +8,9 @@
     python3 dev.py --python python3.12 test   # the same, in a venv of another interpreter
 
 The first call creates a virtual environment and installs the package (editable)
-with its test and example extras, at the newest versions pip resolves for that
-interpreter; later calls reuse it (it is refreshed when pyproject.toml changes).
+with its test, example and dev (build, twine) extras, at the newest versions pip
+resolves for that interpreter; later calls reuse it (it is refreshed when
+pyproject.toml changes).
 The venv is `.venv` for the interpreter that runs dev.py, and `.venv-pyX.Y` for
 an interpreter given with `--python` (or the ONEBIT_PYTHON environment
 variable), so each Python version keeps its own. ONEBIT_VENV overrides the
@@ -27,7 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 COMMANDS = ("demo", "test", "env")
-MIN_PYTHON = (3, 10)
+MIN_PYTHON = (3, 11)
+EXTRAS = "test,examples,dev"
 
 
 def _bin(venv: Path, name: str) -> Path:
@@ -56,7 +58,7 @@ def _venv_for(python: list[str] | None) -> tuple[Path, list[str]]:
     version = _interpreter_version(python)
     default = ROOT / f".venv-py{version[0]}.{version[1]}"
   if version < MIN_PYTHON:
-    sys.exit(f"onebit-optax needs Python >= 3.10, {shlex.join(python)} is "
+    sys.exit(f"onebit-optax needs Python >= 3.11, {shlex.join(python)} is "
              f"{version[0]}.{version[1]}.")
   return Path(os.environ.get("ONEBIT_VENV", default)), python
 
@@ -65,17 +67,17 @@ def _ensure_env(venv: Path, python: list[str]) -> Path:
   """Creates/refreshes ``venv`` with ``python``; returns the venv's interpreter."""
   py = _bin(venv, "python")
   stamp = venv / ".onebit-installed"
-  digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+  digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + EXTRAS.encode()).hexdigest()
   if stamp.exists() and stamp.read_text() == digest and py.exists():
     return py
   if not py.exists():
     print(f"[dev.py] creating virtual environment in {venv} ({shlex.join(python)})", flush=True)
     subprocess.check_call([*python, "-m", "venv", str(venv)])
-  print(f"[dev.py] installing onebit-optax with its test and example extras into {venv}",
+  print(f"[dev.py] installing onebit-optax with its test, example and dev extras into {venv}",
         flush=True)
   subprocess.check_call([str(py), "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
   subprocess.check_call(
-      [str(py), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[test,examples]"])
+      [str(py), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[{EXTRAS}]"])
   subprocess.check_call([str(py), "-m", "ipykernel", "install", "--sys-prefix", "--name",
                          "python3"], stdout=subprocess.DEVNULL)
   stamp.write_text(digest)
@@ -100,8 +102,6 @@ def main(argv: list[str]) -> int:
   if not argv or argv[0] not in COMMANDS:
     print(__doc__)
     return 2
-  if sys.version_info < MIN_PYTHON:
-    sys.exit(f"dev.py needs Python >= 3.10, this is {sys.version.split()[0]}.")
   py = _ensure_env(*_venv_for(python))
   command, rest = argv[0], argv[1:]
   if command == "env":

@@ -30,29 +30,16 @@ accelerator), plots what happens, and ends with the recipe for your own training
 It runs in about a minute on a laptop CPU.
 """),
     ("code", r"""
-# Setup. On Colab: install the package. Locally: nothing to do, run this notebook with the
-# kernel of the repository's .venv (`python3 dev.py test` creates it, with the package
-# installed in editable mode).
+# Setup: installs onebit-optax where it is missing (e.g. on Colab). Until it is published on PyPI,
+# install it from a checkout instead: `pip install -e .` in the repository root.
+import importlib
+import importlib.util
+import subprocess
 import sys
 
-# PLACEHOLDER: onebit-optax is not published yet. Replace this with the real repository URL
-# once it is (or upload the repository to the Colab VM and `pip install -e` it).
-REPO_URL = 'https://github.com/YOUR-ORG/onebit-optax'
-
-if 'google.colab' in sys.modules:
-  if 'YOUR-ORG' in REPO_URL:
-    raise RuntimeError(
-        'REPO_URL is a placeholder: set it to a repository that holds onebit-optax, '
-        'or upload the repository and run `pip install -e` on it.')
-  import subprocess
-  subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', f'onebit-optax @ git+{REPO_URL}'],
-                 check=True)
-else:
-  import importlib.util
-  if importlib.util.find_spec('onebit_optax') is None:
-    raise RuntimeError(
-        f'onebit_optax is not installed for {sys.executable}: select the kernel of the '
-        "repository's .venv (or run `pip install -e .` in the repository).")
+if importlib.util.find_spec('onebit_optax') is None:
+  subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', 'onebit-optax'], check=True)
+  importlib.invalidate_caches()
 print('python:', sys.executable)
 """),
     ("code", r"""
