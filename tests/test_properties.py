@@ -20,9 +20,11 @@ value (±0.0, subnormals, 1e38, ±inf, NaN), as a numpy model:
 * ``compressed_mean`` (one device, and jitted on 8 devices for a few fixed
   sizes): no crash; the mean is bitwise the same on all devices; with finite
   inputs nothing is lost (``mean = avg_i(x_i + e_i - e_i') + s - s'``, chunk by
-  chunk) and every chunk decodes to ``±scale``; one non-finite value on one
-  device makes *every* output element non-finite on *every* device, which is
-  what the collective non-finite skip of 1-bit Adam relies on.
+  chunk) and every chunk decodes to ``±scale``. A bare vector is compressed
+  with one scale per chunk (a segment), so one non-finite value on one device
+  makes its *chunk* of the output non-finite on *every* device (the other
+  chunks are untouched); the collective non-finite skip of 1-bit Adam reads
+  that off the scales every device gathers.
 * Error feedback: one compression step obeys
   ``||e'||^2 = 2 ||u||^2 (1 - ||u||_1 / (sqrt(d) ||u||_2))`` with ``u = x + e``,
   so ``||e'|| <= sqrt(2) ||u||``; NOT ``||e'|| <= ||u||``: the RMS scale
@@ -314,8 +316,11 @@ def test_compressed_mean_8_devices_edge_values(args):
   # The decoded mean is the same bits on every device.
   assert all(row.tobytes() == mean[0].tobytes() for row in mean)
   u = _flush(x + worker_error)
-  scales = [_model_scale(row) for row in u]
-  if all(s is not None and np.isfinite(s) for s in scales):
+  # A bare vector is one segment per chunk: device i compresses chunk r of its
+  # vector with a scale of its own, scales[i][r].
+  scales = [[_model_scale(chunk) for chunk in row.reshape(N, d // N)] for row in u]
+  flat_scales = [s for row in scales for s in row]
+  if all(s is not None and np.isfinite(s) for s in flat_scales):
     assert np.all(np.isfinite(mean))
     # Nothing lost: the mean is the average of what the workers kept out of their
     # errors, plus what the servers kept out of theirs (chunk r on device r).
@@ -326,22 +331,37 @@ def test_compressed_mean_8_devices_edge_values(args):
     # Each server chunk decodes to +-(its scale).
     for chunk in mean[0].reshape(N, d // N):
       assert np.all(np.abs(chunk) == np.abs(chunk[0]))
-  elif any(s is not None and not np.isfinite(s) for s in scales):
-    # One device's NaN / Inf / overflow reaches every chunk of every device.
-    assert not np.any(np.isfinite(mean)), np.isfinite(mean).sum()
+  else:
+    # One device's NaN / Inf / overflow in chunk r reaches server r, hence chunk r
+    # of the mean on every device (which every device then sees: the optimizer's
+    # non-finite skip reads it off the gathered scales); the other chunks are
+    # compressed with scales of their own and stay finite.
+    for r in range(N):
+      column = [row[r] for row in scales]
+      chunk = mean[:, r * (d // N):(r + 1) * (d // N)]
+      if any(s is not None and not np.isfinite(s) for s in column):
+        assert not np.any(np.isfinite(chunk)), (r, np.isfinite(chunk).sum())
+      elif all(s is not None for s in column):
+        assert np.all(np.isfinite(chunk)), r
 
 
-def test_compressed_mean_8_devices_one_nan_poisons_everything_everywhere():
+def test_compressed_mean_8_devices_one_nan_poisons_its_chunk_everywhere():
   d = SIZES[0]
   rng = np.random.default_rng(1)
   x = rng.standard_normal((N, d)).astype(np.float32)
+  zeros = np.zeros((N, d), np.float32), np.zeros((N, d // N), np.float32)
+  clean, _, _ = _mean_8(d)(x, *zeros)
+  assert np.all(np.isfinite(clean))
+  bad_chunk = slice(2 * d // N, 3 * d // N)  # element 17 is in chunk 2 (8 elements each)
+  outside = np.ones(d, bool)
+  outside[bad_chunk] = False
   for bad in (np.nan, np.inf, -np.inf, 1e38):
     poisoned = x.copy()
     poisoned[3, 17] = bad
-    mean, _, _ = _mean_8(d)(poisoned, np.zeros((N, d), np.float32),
-                            np.zeros((N, d // N), np.float32))
-    assert not np.any(np.isfinite(mean)), bad
+    mean, _, _ = _mean_8(d)(poisoned, *zeros)
+    # Chunk 2 is non-finite on every device (NaN for a NaN)...
+    assert not np.any(np.isfinite(mean[:, bad_chunk])), bad
     if np.isnan(bad):
-      assert np.all(np.isnan(mean))
-  mean, _, _ = _mean_8(d)(x, np.zeros((N, d), np.float32), np.zeros((N, d // N), np.float32))
-  assert np.all(np.isfinite(mean))
+      assert np.all(np.isnan(mean[:, bad_chunk]))
+    # ...and the other chunks, with their own scales, are bitwise the clean result.
+    assert mean[:, outside].tobytes() == clean[:, outside].tobytes(), bad
