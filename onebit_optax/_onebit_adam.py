@@ -156,34 +156,35 @@ def _bias_correction(decay, count):
   return 1.0 - jnp.asarray(decay, jnp.float32) ** count
 
 
-def _leaf_floor(v_hat, layout: _layout.FlatLayout, variance_floor):
-  """``variance_floor`` times the mean of ``v_hat`` over each coordinate's leaf, per block."""
-  tables = layout.tables
-  leaf_sum = jax.ops.segment_sum(jnp.sum(v_hat, axis=1), tables.leaf_of_block,
-                                 len(tables.leaf_size), indices_are_sorted=True)
-  leaf_mean = leaf_sum / tables.leaf_size
-  return (jnp.asarray(variance_floor, jnp.float32) * leaf_mean)[tables.leaf_of_block][:, None]
+def _leaf_update(mu, nu, frozen, bc1, bc2, finite, hp: _Hyper):
+  r"""One leaf's update: Adam's during warmup, the floored and clipped frozen-variance step after.
 
-
-def _direction(mu, nu, frozen, count, freeze_step, finite, hp: _Hyper, layout):
-  r"""The update: Adam's during warmup, the floored and clipped frozen-variance step after.
-
-  Computed after the phase switch from the new moments, so that the ``lax.cond``
-  returns only the state buffers (XLA updates those in place) and the update
-  leaves are written once, straight from the moments.
+  ``mu`` and ``nu`` are the leaf's slices of the new moments; the floor is
+  ``variance_floor`` times the mean :math:`\hat v` of the leaf. Elementwise on the
+  leaf (one reduction for the floor), so XLA writes each update leaf straight
+  from the moments, with no full-size temporary.
   """
-  blocks = (-1, layout.block)
-  mu_hat = (mu / _bias_correction(hp.b1, count)).reshape(blocks)
-  v_hat = (nu / _bias_correction(hp.b2, jnp.where(frozen, freeze_step, count))).reshape(blocks)
+  mu_hat, v_hat = mu / bc1, nu / bc2
   # m / (sqrt(v) + eps) exactly as optax.scale_by_adam.
   adam = mu_hat / (jnp.sqrt(v_hat) + hp.eps)
-  floor = _leaf_floor(v_hat, layout, hp.variance_floor)
+  floor = jnp.asarray(hp.variance_floor, jnp.float32) * jnp.mean(v_hat)
   # A coordinate whose frozen variance is 0 never had a gradient: its momentum
   # is only the compressor's sign noise, which 1/(0 + eps) would amplify.
   p = jnp.where(v_hat > 0, 1.0 / (jnp.sqrt(jnp.maximum(v_hat, floor)) + hp.eps), 0.0)
   bound = adam_update_bound(hp.b1, hp.b2) if hp.max_update is None else hp.max_update
   step = jnp.where(frozen, jnp.clip(mu_hat * p, -bound, bound), adam)
-  return jnp.where(finite, step, 0.0).reshape(-1)
+  return jnp.where(finite, step, 0.0)
+
+
+def _updates(step: "_Step", state, count, hp: _Hyper, layout, grads, treedef):
+  """The update tree, leaf by leaf from the new moments (see :func:`_leaf_update`)."""
+  bc1 = _bias_correction(hp.b1, count)
+  bc2 = _bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
+  mu = layout.unflatten(step.mu.astype(jnp.float32), treedef)
+  nu = layout.unflatten(step.nu.astype(jnp.float32), treedef)
+  out = [_leaf_update(m, v, state.frozen, bc1, bc2, step.finite, hp).astype(jnp.result_type(g))
+         for m, v, g in zip(jax.tree.leaves(mu), jax.tree.leaves(nu), grads)]
+  return jax.tree.unflatten(treedef, out)
 
 
 def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
@@ -447,8 +448,6 @@ def scale_by_onebit_adam(
         state.frozen,
         lambda g: _compression(g, state, count_inc, hp, layout),
         lambda g: _warmup(g, state, count_inc, hp, layout), grads)
-    direction = _direction(step.mu, step.nu.astype(jnp.float32), state.frozen, count_inc,
-                           state.freeze_step, step.finite, hp, layout)
     pick = lambda new, old: jnp.where(step.finite, new, old)
     new_state = ScaleByOnebitAdamState(
         count=pick(count_inc, state.count),
@@ -464,8 +463,7 @@ def scale_by_onebit_adam(
         worker_error=step.worker_error,
         server_error=step.server_error,
     )
-    dtypes = [jnp.result_type(g) for g in grads]
-    return layout.unflatten(direction, treedef, dtypes), new_state
+    return _updates(step, state, count_inc, hp, layout, grads, treedef), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

