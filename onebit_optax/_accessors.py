@@ -26,10 +26,13 @@ def _find_state(opt_state) -> ScaleByOnebitAdamState:
 
 def _plain(x):
   """The array inside a Flax NNX variable (``nnx.Optimizer`` wraps its state), else ``x``."""
-  if isinstance(x, jax.Array) or not hasattr(x, "value"):
+  if isinstance(x, jax.Array):
     return x
-  # flax >= 0.12 deprecates `.value`; older versions lack get_value.
-  return x.get_value() if hasattr(x, "get_value") else x.value
+  # flax >= 0.12 deprecates `.value` (even hasattr(x, "value") warns); older
+  # versions lack get_value.
+  if hasattr(x, "get_value"):
+    return x.get_value()
+  return x.value if type(x).__name__ == "Variable" or hasattr(type(x), "value") else x
 
 
 def is_frozen(opt_state) -> jax.Array:

@@ -231,7 +231,8 @@ def _compression(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout
   if not hp.skip_nonfinite:
     finite = jnp.bool_(True)
   return _Step(
-      finite=finite, mu=jnp.where(finite, mean_mu, mu32), nu=state.nu, frozen=state.frozen,
+      finite=finite, mu=jnp.where(finite, mean_mu, mu32), nu=state.nu.astype(jnp.float32),
+      frozen=state.frozen,
       freeze_step=state.freeze_step, variance_ratio=state.variance_ratio,
       reference_l1=state.reference_l1,
       worker_error=worker_error[None].astype(state.worker_error.dtype),
@@ -419,6 +420,10 @@ def scale_by_onebit_adam(
   hp = _Hyper(b1, b2, eps, variance_floor, max_update, policy, axis_name, skip_nonfinite)
 
   def init_fn(params):
+    if type(params).__name__ == "_ParamsPlaceholder":
+      # optax.tree.map_params: the state holds no parameter-shaped tree (the
+      # moments are flat buffers), so every field is a "non-param" field.
+      return ScaleByOnebitAdamState(*[jnp.zeros([]) for _ in ScaleByOnebitAdamState._fields])
     _check_params(params)
     n = _collective.axis_size(axis_name, caller="scale_by_onebit_adam.init")
     layout = _layout.layout_for(params, n)
