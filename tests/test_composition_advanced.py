@@ -311,10 +311,6 @@ def test_inject_hyperparams_learning_rate_edit_is_honoured(mesh):
 
 # --- Flax ---------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug (onebit_optax/_accessors.py _plain): hasattr(x, 'value') reads flax "
-    "nnx's deprecated Variable.value, a DeprecationWarning that the project's "
-    "filterwarnings turns into an error; repro in the helper report"))
 def test_flax_nnx_optimizer_single_device():
   params, x, y = _problem()
   model = nnx.Linear(FEATURES, OUTPUTS, rngs=nnx.Rngs(0))
