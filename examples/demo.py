@@ -33,6 +33,7 @@ import collections
 import math
 import os
 import sys
+import tempfile
 import time
 
 
@@ -59,6 +60,12 @@ def _parse_args(argv):
   parser.add_argument("--log-every", type=int, default=10,
                       help="steps between progress-bar refreshes (each one waits for the device)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--figure", default=os.path.join(tempfile.gettempdir(),
+                                                       "onebit_optax_demo.png"),
+                      help="where to save the figure (loss curves, freeze step, bytes sent)")
+  parser.add_argument("--check-replicas-every", type=int, default=100,
+                      help="steps between checks that every device holds the same "
+                      "parameters (0: only at the end)")
   args = parser.parse_args(argv)
   if args.devices < 1 or args.steps < 1:
     parser.error("--devices and --steps must be positive")
@@ -182,12 +189,12 @@ def loss_fn(params, x, y):
 
 
 def make_optimizer(name: str, schedule, args, lr_warmup: int):
-  """Returns ``(tx, freeze_description)``."""
+  """Returns ``(tx, freeze_policy, freeze_description)``."""
   if name == "adam":
-    return optax.adam(schedule), "-"
+    return optax.adam(schedule), None, "-"
   if args.freeze_step is not None:
     freeze = onebit_optax.fixed_step_freeze(args.freeze_step)
-    return (onebit_optax.onebit_adam(schedule, axis_name=AXIS, freeze=freeze),
+    return (onebit_optax.onebit_adam(schedule, axis_name=AXIS, freeze=freeze), freeze,
             f"fixed: after step {args.freeze_step}")
   # The policy's default interval is 1/(1-b2) = 1000 steps, the averaging window
   # of v for b2 = 0.999: right for a long pretraining run, but longer than this
@@ -201,7 +208,7 @@ def make_optimizer(name: str, schedule, args, lr_warmup: int):
   # seen while the LR ramps up is not the one of the rest of the run.
   interval = args.freeze_interval or max(1, args.steps // 20)
   freeze = onebit_optax.variance_ratio_freeze(min_steps=lr_warmup, interval=interval)
-  return (onebit_optax.onebit_adam(schedule, axis_name=AXIS, freeze=freeze),
+  return (onebit_optax.onebit_adam(schedule, axis_name=AXIS, freeze=freeze), freeze,
           f"variance ratio: every {interval} steps from step "
           f"{max(lr_warmup, 2 * interval)}, freeze when in [0.96, 1/0.96]")
 
@@ -254,7 +261,7 @@ def train(name: str, args, mesh, data, lr_warmup: int):
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=lr_warmup, decay_steps=args.steps,
       end_value=0.05 * args.lr)
-  tx, freeze_desc = make_optimizer(name, schedule, args, lr_warmup)
+  tx, freeze, freeze_desc = make_optimizer(name, schedule, args, lr_warmup)
 
   replicated = NamedSharding(mesh, P())
   sharded = NamedSharding(mesh, P(AXIS))
@@ -284,6 +291,10 @@ def train(name: str, args, mesh, data, lr_warmup: int):
       in_flight.append(loss)
       if len(in_flight) > MAX_IN_FLIGHT:
         in_flight.popleft().block_until_ready()
+      if args.check_replicas_every and t % args.check_replicas_every == 0:
+        # A fingerprint per device, compared on the host: catches replicas that
+        # drifted apart (e.g. an optimizer that does not average across devices).
+        onebit_optax.assert_replicas_identical(params)
       if t % args.log_every == 0 or t == args.steps:
         # Reading a value waits for the device; doing it every step would
         # serialise the host loop with the computation.
@@ -299,6 +310,7 @@ def train(name: str, args, mesh, data, lr_warmup: int):
         bar.set_postfix(postfix, refresh=False)
   jax.block_until_ready(params)
   seconds = time.perf_counter() - start
+  onebit_optax.assert_replicas_identical(params)
 
   evaluate = make_eval(mesh)
   metrics = {}
@@ -313,13 +325,15 @@ def train(name: str, args, mesh, data, lr_warmup: int):
       "label": label, "seconds": seconds, "num_params": num_params, "metrics": metrics,
       "last_train_loss": float(losses[-LAST_STEPS:].mean()), "total_bytes": float(sent.sum()),
       "freeze": freeze_desc, "froze_at": None, "warmup_bytes": float(sent[0]),
-      "compress_bytes": None,
+      "compress_bytes": None, "losses": losses, "cumulative_bytes": np.cumsum(sent),
+      "status": None,
   }
   if onebit:
     froze_at = int(onebit_optax.freeze_step(opt_state))
     if bool(onebit_optax.is_frozen(opt_state)):
       result["froze_at"] = froze_at
       result["compress_bytes"] = float(sent[froze_at]) if froze_at < args.steps else None
+    result["status"] = onebit_optax.status(opt_state, freeze, params=params)
   return result
 
 
@@ -392,6 +406,56 @@ def report(results, args, n):
     diff = onebit["metrics"]["val"][0] - adam["metrics"]["val"][0]
     print(f"val loss, 1-bit Adam - Adam: {diff:+.4f} nats "
           f"({diff / adam['metrics']['val'][0]:+.2%})")
+  for r in results:
+    if r["status"] is not None:
+      # The one-call summary a training loop can log: the phase, and if the run
+      # never compressed, why (no check before the end, or a ratio outside the band).
+      print(f"\n{r['label']} status (onebit_optax.status): {r['status']}")
+
+
+def _smooth(values, window):
+  """Trailing moving average (the first points average what there is)."""
+  sums = np.cumsum(np.insert(np.asarray(values, np.float64), 0, 0.0))
+  counts = np.minimum(np.arange(1, len(values) + 1), window)
+  return (sums[1:] - sums[np.maximum(np.arange(1, len(values) + 1) - window, 0)]) / counts
+
+
+def plot(results, args, path: str) -> str:
+  """Saves the loss curves, the freeze step and the bytes sent so far; returns the path."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")  # no display needed
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, loss_ax = plt.subplots(figsize=(9, 5), constrained_layout=True)
+  bytes_ax = loss_ax.twinx()
+  steps = np.arange(1, args.steps + 1)
+  window = max(1, args.steps // 50)
+  colors = {"Adam": "tab:blue", "1-bit Adam": "tab:orange"}
+  for r in results:
+    color = colors[r["label"]]
+    loss_ax.plot(steps, _smooth(r["losses"], window), color=color,
+                 label=f"{r['label']}: training loss")
+    bytes_ax.plot(steps, r["cumulative_bytes"] / 1e6, color=color, linestyle=":",
+                  label=f"{r['label']}: MB sent per device so far")
+    if r["froze_at"] is not None:
+      loss_ax.axvline(r["froze_at"], color=color, linestyle="--", linewidth=1,
+                      label=f"{r['label']}: variance frozen after step {r['froze_at']}")
+  loss_ax.set_xlabel("step")
+  loss_ax.set_ylabel("training batch loss (nats" + (
+      f", mean of the last {window} steps)" if window > 1 else ")"))
+  bytes_ax.set_ylabel("MB sent per device so far")
+  bytes_ax.set_ylim(bottom=0)
+  title = f"Adam vs 1-bit Adam, {args.devices} devices, {args.steps} steps"
+  never = [r for r in results if r["status"] is not None and r["froze_at"] is None]
+  if never:
+    title += "\n1-bit Adam never froze (no compression): see the status printed by the demo"
+  loss_ax.set_title(title)
+  handles = [h for ax in (loss_ax, bytes_ax) for h in ax.get_legend_handles_labels()[0]]
+  loss_ax.legend(handles, [h.get_label() for h in handles], loc="upper center", fontsize=8)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return os.path.abspath(path)
 
 
 def main(argv=None) -> int:
@@ -411,6 +475,7 @@ def main(argv=None) -> int:
   names = {"both": ("adam", "onebit"), "adam": ("adam",), "onebit": ("onebit",)}[args.optimizer]
   results = [train(name, args, mesh, data, lr_warmup) for name in names]
   report(results, args, args.devices)
+  print(f"\nfigure saved to {plot(results, args, args.figure)}")
   return 0
 
 

@@ -16,18 +16,27 @@ DEVICES, STEPS, FREEZE = 8, 30, 10
 UNITS = {"kB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
-@pytest.fixture(scope="module")
-def demo_output():
+def _run_demo(*args):
   # A subprocess, because the demo fixes the device count before importing jax
   # (and a fresh process is what `python3 dev.py demo` runs).
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
              JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, str(ROOT / "examples" / "demo.py"), "--steps", str(STEPS),
-       "--freeze-step", str(FREEZE), "--devices", str(DEVICES)],
+      [sys.executable, str(ROOT / "examples" / "demo.py"), "--devices", str(DEVICES), *args],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def figure_path(tmp_path_factory):
+  return tmp_path_factory.mktemp("demo") / "curves.png"
+
+
+@pytest.fixture(scope="module")
+def demo_output(figure_path):
+  return _run_demo("--steps", str(STEPS), "--freeze-step", str(FREEZE),
+                   "--figure", str(figure_path), "--check-replicas-every", "7")
 
 
 def _row(output, label):
@@ -85,3 +94,30 @@ def test_bytes_match_the_ring_and_two_phase_formulas(demo_output):
   assert total_adam == pytest.approx(STEPS * allreduce, rel=1e-3)
   assert total_onebit == pytest.approx(
       FREEZE * onebit_warmup + (STEPS - FREEZE) * onebit, rel=1e-3)
+
+
+def test_figure_is_saved_where_the_demo_says(demo_output, figure_path):
+  assert f"figure saved to {figure_path}" in demo_output
+  data = figure_path.read_bytes()
+  assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_status_summary_after_the_freeze(demo_output):
+  line = next(l for l in demo_output.splitlines() if "status (onebit_optax.status)" in l)
+  assert f"step {STEPS}: compression (froze after step {FREEZE})" in line
+  # Bytes so far in the summary agree with the table's whole-run rows.
+  total_adam, total_onebit = (_bytes(c) for c in _row(demo_output, "bytes/device, whole run"))
+  sent, adam = re.search(r"so far ([\d.]+ \w+) vs ([\d.]+ \w+) for Adam", line).groups()
+  assert _bytes(sent) == pytest.approx(total_onebit, rel=1e-2)
+  assert _bytes(adam) == pytest.approx(total_adam, rel=1e-2)
+
+
+def test_a_run_that_never_froze_says_why(tmp_path):
+  # The ratio policy checks every 100 steps, from step 200: a 12-step run never compresses.
+  output = _run_demo("--steps", "12", "--freeze-interval", "100", "--optimizer", "onebit",
+                     "--figure", str(tmp_path / "f.png"))
+  assert _row(output, "variance froze")[0] == "never (no compression)"
+  line = next(l for l in output.splitlines() if "status (onebit_optax.status)" in l)
+  assert "never froze in 12 steps" in line
+  assert "first variance-ratio check that can freeze is at step 200" in line
+  assert (tmp_path / "f.png").stat().st_size > 10_000
