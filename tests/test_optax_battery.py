@@ -129,17 +129,17 @@ def test_parabola(opt_name):
 @pytest.mark.parametrize("opt_name", [
     pytest.param("freeze100", marks=pytest.mark.xfail(strict=True, reason=(
         "lr=0.1: from the freeze on, the 1-bit momentum of 2 coordinates settles into a "
-        "period-2 cycle around (0.94, 0.87) (steps of about +-0.02), measured on jax 0.10.2"))),
-    pytest.param("default", marks=pytest.mark.xfail(strict=True, reason=(
-        "lr=0.1: Adam reaches (0.998, 0.997) by step 2000, the policy freezes there, then "
-        "the frozen-variance 1-bit steps jump to a period-2 cycle between (0.968, 0.909) and "
-        "(0.954, 0.937), measured on jax 0.10.2"))),
+        "period-2 cycle around (0.94, 0.87), steps of about +-0.015 alternating in sign "
+        "(core v2 58fab99, jax 0.10.2)"))),
+    "default",
 ])
 def test_rosenbrock(opt_name):
   initial, final, objective = _rosenbrock(jnp.float32)
   params, state = _run(OPTIMIZERS[opt_name](), initial, objective, 10_000)
-  assert bool(onebit_optax.is_frozen(state))
   np.testing.assert_allclose(params, final, rtol=3e-2, atol=3e-2)
+  # The default policy does not freeze here (the ratio at the checks drifts below
+  # 0.96 as Adam converges): this is its warmup phase; freeze=100 compresses.
+  assert bool(onebit_optax.is_frozen(state)) == (opt_name == "freeze100")
 
 
 def test_rosenbrock_at_a_smaller_learning_rate_converges_while_compressing():
@@ -150,10 +150,6 @@ def test_rosenbrock_at_a_smaller_learning_rate_converges_while_compressing():
   np.testing.assert_allclose(params, final, rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "optax.tree.map_params calls init on placeholder leaves that are not arrays, and "
-    "onebit_adam's init raises 'got empty params'; the core must map over the "
-    "parameter-shaped parts and leave the error buffers alone"))
 @pytest.mark.parametrize("opt_name", OPTIMIZERS)
 def test_tree_map_params(opt_name):
   initial, _, _ = _parabola(jnp.float32)
