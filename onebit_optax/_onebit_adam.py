@@ -12,6 +12,7 @@ from optax._src import numerics
 
 from onebit_optax import _collective
 from onebit_optax import _freeze
+from onebit_optax import _guards
 from onebit_optax import _layout
 
 __all__ = [
@@ -253,7 +254,11 @@ def _check_update(updates, state, axis_name):
         f"scale_by_onebit_adam.update got a {type(state).__name__} state; pass the "
         "state returned by this transformation's init.")
   _check_params(updates)
-  n = _collective.axis_size(axis_name, caller="scale_by_onebit_adam.update")
+  caller = "scale_by_onebit_adam.update"
+  _guards.check_wrappers(axis_name, caller)
+  _guards.check_mapped_region(axis_name, caller)
+  n = _collective.axis_size(axis_name, caller=caller)
+  _guards.check_state_layout(state, axis_name, n, caller)
   layout = _layout.layout_for(updates, n)
   sizes = state.leaf_sizes
   if sizes.shape != (len(layout.sizes),) or (
@@ -414,6 +419,7 @@ def scale_by_onebit_adam(
 
     Kingma & Ba, `Adam <https://arxiv.org/abs/1412.6980>`_, ICLR 2015 (the bound).
   """
+  _guards.check_decay_rates(b1, b2, eps, "scale_by_onebit_adam")
   policy = _freeze.check_policy(_freeze.variance_ratio_freeze() if freeze is None else freeze)
   moment_dtype = _check_float_dtype("moment_dtype", moment_dtype)
   error_dtype = _check_float_dtype("error_dtype", error_dtype)
@@ -425,6 +431,7 @@ def scale_by_onebit_adam(
       # moments are flat buffers), so every field is a "non-param" field.
       return ScaleByOnebitAdamState(*[jnp.zeros([]) for _ in ScaleByOnebitAdamState._fields])
     _check_params(params)
+    _guards.check_mapped_region(axis_name, "scale_by_onebit_adam.init")
     n = _collective.axis_size(axis_name, caller="scale_by_onebit_adam.init")
     layout = _layout.layout_for(params, n)
     return ScaleByOnebitAdamState(
