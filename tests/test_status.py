@@ -10,10 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import onebit_optax
-from onebit_optax import _status
 
 N = 8
-status = _status.status
+status = onebit_optax.status
 
 
 @pytest.fixture(scope="module")
@@ -261,15 +260,15 @@ def test_host_check_of_pmap_outputs_with_stacked_rows():
 
 
 def onebit_optax_assert(tree, **kwargs):
-  return _status.assert_replicas_identical(tree, **kwargs)
+  return onebit_optax.assert_replicas_identical(tree, **kwargs)
 
 
 @pytest.mark.parametrize("check_vma", [False, True])
 def test_in_graph_check_under_shard_map(mesh, check_vma):
   def body(x, noise):
-    same = _status.replicas_identical({"x": x}, "data")
+    same = onebit_optax.replicas_identical({"x": x}, "data")
     # A value that differs on device 3 only (varying-typed under check_vma).
-    differs = _status.replicas_identical({"x": x, "y": x + noise[0]}, "data")
+    differs = onebit_optax.replicas_identical({"x": x, "y": x + noise[0]}, "data")
     return same, differs
 
   noise = jax.device_put(jnp.zeros((N, 3)).at[3].set(1.0),
@@ -281,7 +280,7 @@ def test_in_graph_check_under_shard_map(mesh, check_vma):
 
 
 def test_in_graph_check_is_one_small_all_reduce(mesh):
-  f = jax.jit(jax.shard_map(lambda p: _status.replicas_identical(p, "data"), mesh=mesh,
+  f = jax.jit(jax.shard_map(lambda p: onebit_optax.replicas_identical(p, "data"), mesh=mesh,
                             in_specs=P(), out_specs=P()))
   hlo = f.lower(_params()).compile().as_text()
   reduces = [line for line in hlo.splitlines() if " all-reduce(" in line
@@ -291,6 +290,6 @@ def test_in_graph_check_is_one_small_all_reduce(mesh):
 
 
 def test_in_graph_check_under_pmap():
-  f = jax.pmap(lambda x: _status.replicas_identical(x, "i"), axis_name="i")
+  f = jax.pmap(lambda x: onebit_optax.replicas_identical(x, "i"), axis_name="i")
   assert bool(jnp.all(f(jnp.ones((N, 4)))))
   assert not bool(jnp.any(f(jnp.ones((N, 4)).at[1, 2].set(3.0))))
