@@ -276,20 +276,20 @@ def _opcode(enum_value) -> str:
 def _structured_collectives(compiled) -> Optional[list[tuple[str, str, str]]]:
   """(computation, instruction, opcode) of every collective in jaxlib's structured module.
 
-  None where this jax does not expose the module (``runtime_executable()`` is a
-  debugging API; jax 0.10 to 0.12 have it).
+  None where this jaxlib does not expose the instructions (``runtime_executable()``
+  is a debugging API: jax 0.10.2 to 0.12 list them, jax 0.10.0 has no
+  ``HloComputation.instructions``).
   """
   try:
     (hlo_module,) = compiled.runtime_executable().hlo_modules()
-    computations = hlo_module.computations()
+    found = []
+    for comp in hlo_module.computations():
+      for instr in comp.instructions():
+        op = _opcode(instr.opcode)
+        if (op[:-len("-start")] if op.endswith("-start") else op) in COLLECTIVES:
+          found.append((comp.name, instr.name, op))
   except (AttributeError, TypeError, ValueError):
     return None
-  found = []
-  for comp in computations:
-    for instr in comp.instructions():
-      op = _opcode(instr.opcode)
-      if (op[:-len("-start")] if op.endswith("-start") else op) in COLLECTIVES:
-        found.append((comp.name, instr.name, op))
   return sorted(found)
 
 

@@ -375,6 +375,8 @@ def test_from_compiled_catches_a_collective_the_text_parser_missed(mesh):
     return jax.lax.all_gather(x, "data", tiled=True)[:x.shape[0]] + jax.lax.pmean(x, "data")
 
   compiled = f.lower(jax.device_put(jnp.ones((2 * N,)), NamedSharding(mesh, P("data")))).compile()
+  if _hlo._structured_collectives(compiled) is None:
+    pytest.skip(f"jaxlib {jax.__version__} does not list the compiled module's instructions")
   module = _hlo.HloModule.from_compiled(compiled)
   assert sorted(c.collective for c in module.collectives(module.reachable([module.entry]))) == [
       "all-gather", "all-reduce"]
