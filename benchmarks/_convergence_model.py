@@ -1,4 +1,4 @@
-"""The data and the model of benchmarks/convergence.py: a byte-level transformer on CPython's own text.
+"""The language data and model of benchmarks/convergence.py: a byte-level transformer on CPython's text.
 
 Nothing is downloaded. The two corpora ship with every CPython:
 
@@ -12,8 +12,10 @@ Nothing is downloaded. The two corpora ship with every CPython:
 Both are read as UTF-8 bytes (vocabulary of 256), so that one model covers both
 corpora. The last 10% of each corpus is held out for validation.
 
-The model is plain JAX (a dict of arrays, no framework): a pre-LayerNorm causal
-transformer with learned positions and an untied output head. Plain JAX keeps the
+The model is plain JAX (a dict of arrays, no framework): a pre-LayerNorm
+transformer with learned positions and an untied output head, causal (next-byte
+prediction) or bidirectional with one extra input id for [MASK] (BERT's masked
+language model). Plain JAX keeps the
 benchmark independent of the example code and makes the parameter tree obvious.
 The untied input embedding matters for the measurement: rows of bytes that never
 occur in the training text get an exactly-zero gradient, which is the case
@@ -98,16 +100,25 @@ class ModelConfig(NamedTuple):
   num_heads: int = 4
   seq_len: int = 64
   mlp_ratio: int = 4
+  causal: bool = True  # False: bidirectional encoder with a [MASK] input id (MASK_ID).
+
+
+MASK_ID = VOCAB  # the extra input id of the bidirectional model.
 
 
 def init_params(key: jax.Array, cfg: ModelConfig) -> dict:
-  """Parameters as a nested dict of float32 arrays (GPT-2 style initialisation)."""
+  """Parameters as a nested dict of float32 arrays (GPT-2 style initialisation).
+
+  Every matrix is N(0, 0.02^2) and the two projections that write into the
+  residual stream are scaled down by ``1/sqrt(2 * num_layers)`` (GPT-2), so the
+  residual stream's variance does not grow with depth at initialisation.
+  """
   d, f = cfg.d_model, cfg.mlp_ratio * cfg.d_model
   keys = iter(jax.random.split(key, 3 + 4 * cfg.num_layers))
   normal = lambda shape, std: std * jax.random.normal(next(keys), shape, jnp.float32)
   resid_std = 0.02 / math.sqrt(2 * cfg.num_layers)
   params = {
-      "embed": normal((VOCAB, d), 0.02),
+      "embed": normal((VOCAB + (0 if cfg.causal else 1), d), 0.02),
       "pos": normal((cfg.seq_len, d), 0.01),
       "head": normal((d, VOCAB), 0.02),
       "ln_f": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
@@ -131,11 +142,11 @@ def _layer_norm(p, x):
 
 
 def apply(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Logits of shape ``tokens.shape + (VOCAB,)`` for a causal language model."""
+  """Logits of shape ``tokens.shape + (VOCAB,)`` (causal, or bidirectional if not ``cfg.causal``)."""
   b, t = tokens.shape
   h, d = cfg.num_heads, cfg.d_model
   x = params["embed"][tokens] + params["pos"][:t]
-  mask = jnp.tril(jnp.ones((t, t), bool))
+  mask = jnp.tril(jnp.ones((t, t), bool)) if cfg.causal else jnp.ones((t, t), bool)
   for i in range(cfg.num_layers):
     p = params[f"block{i}"]
     y = _layer_norm(p["ln1"], x)
@@ -157,6 +168,28 @@ def loss_fn(params: dict, x: jax.Array, y: jax.Array, cfg: ModelConfig) -> jax.A
   logits = apply(params, x, cfg)
   logp = jax.nn.log_softmax(logits)
   return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
+
+
+def masked_loss_sums(params: dict, inputs: jax.Array, targets: jax.Array, weights: jax.Array,
+                     cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """Sum of the cross-entropy over the positions with weight 1, and their count (MLM loss)."""
+  logp = jax.nn.log_softmax(apply(params, inputs, cfg))
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return jnp.sum(nll * weights), jnp.sum(weights)
+
+
+def mask_tokens(tokens: np.ndarray, rng: np.random.Generator, rate: float = 0.15):
+  """BERT's masking: pick ``rate`` of the positions; 80% -> [MASK], 10% -> random byte, 10% kept.
+
+  Returns ``(inputs, targets, weights)``, int32, int32, float32; the loss is
+  taken where ``weights`` is 1.
+  """
+  picked = rng.random(tokens.shape) < rate
+  action = rng.random(tokens.shape)
+  inputs = np.where(picked & (action < 0.8), MASK_ID, tokens)
+  random_bytes = rng.integers(0, VOCAB, size=tokens.shape)
+  inputs = np.where(picked & (action >= 0.8) & (action < 0.9), random_bytes, inputs)
+  return inputs.astype(np.int32), tokens.astype(np.int32), picked.astype(np.float32)
 
 
 def decay_mask(params: dict) -> dict:

@@ -1,0 +1,380 @@
+"""The report of benchmarks/convergence.py: tables (markdown), raw curves (JSON) and a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+
+import jax
+import numpy as np
+import optax
+
+import onebit_optax
+
+# The replay grid of the variance-ratio rule (min_steps = the LR warmup).
+REPLAY_INTERVALS = (5, 10, 20, 50, 100)
+REPLAY_THRESHOLDS = (0.90, 0.96, 0.99)
+PARITY = 0.005  # 1-bit Adam's mean final validation loss within +0.5% of AdamW's.
+MIN_REDUCTION = 5.0  # and at least 5x less communication over the run.
+REFERENCE_BAR = 0.015  # the failing references end > 1.5% above 1-bit Adam.
+
+
+# ----------------------------------------------------------------------------
+# Where and on what it ran.
+
+
+def _run(cmd) -> str:
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _git_describe() -> str:
+  """The commit, and a digest of the package sources when they differ from it."""
+  try:
+    head = _run(["git", "rev-parse", "--short", "HEAD"])
+    if _run(["git", "status", "--porcelain", "onebit_optax"]):
+      import hashlib  # pylint: disable=g-import-not-at-top
+      pkg = os.path.dirname(onebit_optax.__file__)
+      digest = hashlib.sha256()
+      for name in sorted(os.listdir(pkg)):
+        if name.endswith(".py"):
+          with open(os.path.join(pkg, name), "rb") as f:
+            digest.update(f.read())
+      return f"{head} + uncommitted onebit_optax/ changes (sources sha256 {digest.hexdigest()[:12]})"
+    return head
+  except Exception:  # pylint: disable=broad-except
+    return "unknown"
+
+
+def _uptime() -> str:
+  try:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+  except OSError:
+    return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def machine_meta(command: str, quick: bool) -> dict:
+  return dict(command=command, quick=quick, git=_git_describe(), jax=jax.__version__,
+              optax=optax.__version__, onebit_optax=onebit_optax.__version__,
+              machine=f"{platform.machine()}, {os.cpu_count()} CPUs",
+              uptime_start=_uptime(), started=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
+def finish_meta(meta: dict, wall0: float) -> dict:
+  return dict(meta, uptime_end=_uptime(), wall_s=time.time() - wall0)
+
+
+# ----------------------------------------------------------------------------
+# The freeze rule, replayed offline.
+
+
+def first_freeze(l1, interval: int, threshold: float, min_steps: int,
+                 max_steps: int | None = None) -> int | None:
+  """The step at which ``variance_ratio_freeze`` fires, given ``||v_hat_t||_1`` for t = 1..T.
+
+  The rule as the library documents it: a check every ``interval`` steps
+  (t = k * interval) compares ``||v_hat_t||_1`` with its value at the previous
+  check (the first check only records it) and fires at the first check with
+  ``t >= min_steps`` and ``threshold <= ratio <= 1/threshold``; ``max_steps``
+  fires at that step whatever the ratio.
+  """
+  reference = None
+  for t in range(1, len(l1) + 1):
+    if max_steps is not None and t >= max_steps:
+      return t
+    if t % interval:
+      continue
+    if reference is not None and t >= min_steps and (
+        threshold <= l1[t - 1] / reference <= 1.0 / threshold):
+      return t
+    reference = l1[t - 1]
+  return None
+
+
+def observed_interval(rec) -> int | None:
+  """The rule's Δ as a run shows it: the first measured ratio appears at t = 2Δ."""
+  ratio = np.asarray(rec.get("ratio", []), float)
+  finite = np.nonzero(np.isfinite(ratio))[0]
+  return None if not len(finite) else (int(finite[0]) + 1) // 2
+
+
+# ----------------------------------------------------------------------------
+# Summaries.
+
+
+def _stats(recs) -> dict:
+  vals = np.array([r["final_val"] for r in recs], float)
+  std = float(np.std(vals, ddof=1)) if len(vals) > 1 else float("nan")
+  return dict(mean=float(np.mean(vals)), std=std, n=len(vals), values=vals.tolist(),
+              bytes=float(np.mean([r["total_bytes"] for r in recs])),
+              freeze=[r["freeze_step"] for r in recs])
+
+
+def _fmt(s: dict) -> str:
+  if not math.isfinite(s["mean"]) or s["mean"] > 1e3:
+    return "diverged"
+  return f"{s['mean']:.4f} ± {s['std']:.4f}" if s["n"] > 1 else f"{s['mean']:.4f}"
+
+
+def _rel(a: float, b: float) -> str:
+  if not (math.isfinite(a) and math.isfinite(b)) or a > 1e3:
+    return "—"
+  return f"{(a / b - 1) * 100:+.2f}%"
+
+
+def _freeze_str(steps, total) -> str:
+  if not any(steps):
+    return "never"
+  fired = [s for s in steps if s]
+  never = len(steps) - len(fired)
+  text = "/".join(str(s) for s in steps if s) + f" ({np.mean(fired) / total:.0%})"
+  return text + (f", {never} never" if never else "")
+
+
+def summarize(task: dict) -> dict:
+  adamw = {lr: _stats(r) for lr, r in task["adamw"].items()}
+  onebit = {lr: _stats(r) for lr, r in task["onebit"].items()}
+  best = task["best_lr"]
+  own_best = min(onebit, key=lambda lr: onebit[lr]["mean"])
+  base_bytes = task["allreduce_bytes_per_step"] * task["steps"]
+  return dict(adamw=adamw, onebit=onebit, best=best, own_best=own_best, base_bytes=base_bytes,
+              fixed={t: _stats(r) for t, r in task["fixed"].items()},
+              interval=observed_interval(task["onebit"][best][0]))
+
+
+def replay(task: dict) -> dict:
+  """Fire step per seed for every (Δ, τ) of the grid, on AdamW's trajectories at its best lr."""
+  curves = [np.asarray(r["nu_l1"]) for r in task["adamw"][task["best_lr"]]]
+  out = {}
+  for interval in REPLAY_INTERVALS:
+    for threshold in REPLAY_THRESHOLDS:
+      out[(interval, threshold)] = [first_freeze(c, interval, threshold, task["warmup"])
+                                    for c in curves]
+  return out
+
+
+def goals(results) -> list[tuple[str, bool]]:
+  lines = []
+  for task in results:
+    s = summarize(task)
+    a, o = s["adamw"][s["best"]], s["onebit"][s["best"]]
+    gap = o["mean"] / a["mean"] - 1
+    red = s["base_bytes"] / o["bytes"]
+    lines.append((f"{task['name']}: 1-bit Adam (default freeze) at AdamW's lr within "
+                  f"{PARITY:.1%} of AdamW's mean final val loss ({gap:+.2%}; seeds' std "
+                  f"{o['std']:.4f} vs {a['std']:.4f})", gap <= PARITY))
+    lines.append((f"{task['name']}: >= {MIN_REDUCTION:g}x less communication over the run "
+                  f"({red:.2f}x)", red >= MIN_REDUCTION))
+    same_seed = task["onebit"][s["best"]][0]["final_val"]
+    for kind, rec in task["references"].items():
+      rel = rec["final_val"] / same_seed - 1
+      how = "diverged" if not math.isfinite(rec["final_val"]) or rec["final_val"] > 1e3 \
+          else f"{rel:+.2%}"
+      lines.append((f"{task['name']}: {kind} visibly worse than 1-bit Adam, same seed "
+                    f"({how}; bar > +{REFERENCE_BAR:.1%})",
+                    not math.isfinite(rel) or rel > REFERENCE_BAR))
+  return lines
+
+
+# ----------------------------------------------------------------------------
+# Markdown.
+
+
+def build_markdown(results, meta) -> str:
+  lines = []
+  add = lines.append
+  seeds = len(next(iter(results[0]["adamw"].values())))
+  add(f"# Convergence: 1-bit Adam vs tuned AdamW ({'quick' if meta['quick'] else 'full'} "
+      "protocol)\n")
+  add(f"Command: `{meta['command']}`  ")
+  add(f"jax {meta['jax']}, optax {meta['optax']}, onebit_optax {meta['onebit_optax']} at "
+      f"{meta['git']}; {meta['machine']}; started {meta['started']}; total wall time "
+      f"{meta['wall_s'] / 60:.1f} min.  ")
+  add(f"Machine load (`uptime`) at start: `{meta['uptime_start']}`; at end: "
+      f"`{meta['uptime_end']}`.\n")
+  add(f"Every run: 8 simulated CPU devices (`shard_map`, local gradients), linear LR warmup "
+      "over 5% of the run then cosine decay to 10%, b1 = 0.9, b2 = 0.999, eps = 1e-8, "
+      "decoupled weight decay 0.1 on matrices. 1-bit Adam is `onebit_adam` with the default "
+      "freeze rule, `variance_ratio_freeze(min_steps=<LR warmup>)`. Validation loss: "
+      "cross-entropy in nats on the whole held-out set after the last step, mean ± standard "
+      f"deviation over {seeds} seeds (the seed draws the initialisation and the batches). "
+      "Communication: bytes one device sends over the run (`wire_bytes` summed over the "
+      "steps; AdamW: a float32 ring all-reduce, `allreduce_wire_bytes`).\n")
+  add("## Summary\n")
+  add("| task | params | steps | AdamW lr (best) | AdamW val | 1-bit Adam val, same lr | vs "
+      "AdamW | default rule froze after | MB sent per device, AdamW / 1-bit | less | "
+      "1-bit Adam's own best lr | its val | vs AdamW |")
+  add("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  for task in results:
+    s = summarize(task)
+    a, o, ob = s["adamw"][s["best"]], s["onebit"][s["best"]], s["onebit"][s["own_best"]]
+    add(f"| {task['name']} | {task['params']:,} | {task['steps']} | {s['best']:g} | {_fmt(a)} "
+        f"| {_fmt(o)} | {_rel(o['mean'], a['mean'])} | {_freeze_str(o['freeze'], task['steps'])} "
+        f"| {s['base_bytes'] / 1e6:,.1f} / {o['bytes'] / 1e6:,.1f} | "
+        f"{s['base_bytes'] / o['bytes']:.2f}x | {s['own_best']:g} | {_fmt(ob)} | "
+        f"{_rel(ob['mean'], a['mean'])} |")
+  add("")
+  add("## Goals\n")
+  for text, ok in goals(results):
+    add(f"- {'PASS' if ok else 'FAIL'}: {text}")
+  add("")
+  for task in results:
+    _task_section(add, task)
+  _replay_section(add, results)
+  return "\n".join(lines)
+
+
+def _task_section(add, task):
+  s = summarize(task)
+  a = s["adamw"][s["best"]]
+  add(f"## {task['name']}: {task['title']}\n")
+  add(f"{task['params']:,} parameters, {task['steps']} steps, global batch {task['batch']} "
+      f"({task['devices']} devices), LR warmup {task['warmup']} steps; task wall time "
+      f"{task['wall_s'] / 60:.1f} min.\n")
+  add("| peak lr | AdamW val | 1-bit Adam val | 1-bit vs AdamW | default rule froze after "
+      "(per seed) | 1-bit comm. reduction |")
+  add("|---|---|---|---|---|---|")
+  for lr in s["adamw"]:
+    aa, oo = s["adamw"][lr], s["onebit"][lr]
+    mark = lambda cond: " **(best)**" if cond else ""
+    add(f"| {lr:g} | {_fmt(aa)}{mark(lr == s['best'])} | {_fmt(oo)}{mark(lr == s['own_best'])} "
+        f"| {_rel(oo['mean'], aa['mean'])} | {_freeze_str(oo['freeze'], task['steps'])} | "
+        f"{s['base_bytes'] / oo['bytes']:.2f}x |")
+  add("")
+  add(f"Freeze-step study at AdamW's lr {s['best']:g}: 1-bit Adam with `fixed_step_freeze(t)`.\n")
+  add("| variance frozen after step | val | vs AdamW | comm. reduction |")
+  add("|---|---|---|---|")
+  for t, f in s["fixed"].items():
+    add(f"| {t} ({t / task['steps']:.0%}) | {_fmt(f)} | {_rel(f['mean'], a['mean'])} | "
+        f"{s['base_bytes'] / f['bytes']:.2f}x |")
+  o = s["onebit"][s["best"]]
+  add(f"| default rule: {_freeze_str(o['freeze'], task['steps'])} | {_fmt(o)} | "
+      f"{_rel(o['mean'], a['mean'])} | {s['base_bytes'] / o['bytes']:.2f}x |")
+  add(f"| AdamW (never) | {_fmt(a)} | — | 1.00x |")
+  add("")
+  same_seed = task["onebit"][s["best"]][0]["final_val"]
+  add(f"Failing references, seed {task['onebit'][s['best']][0]['seed']}, frozen after step "
+      f"{task['reference_step']} (1-bit Adam, same seed: {same_seed:.4f}):\n")
+  for kind, rec in task["references"].items():
+    label = dict(naive="naive 1-bit Adam (1-bit error-compensated *gradient* -> AdamW)",
+                 no_feedback="1-bit Adam without error feedback")[kind]
+    val = rec["final_val"]
+    text = (f"diverged ({val:.3g})" if not math.isfinite(val) or val > 1e3
+            else f"{val:.4f} ({_rel(val, same_seed)})")
+    add(f"- {label}: {text}")
+  add("")
+
+
+def _replay_section(add, results):
+  add("## Where the variance-ratio rule fires\n")
+  add("Replayed offline on AdamW's bias-corrected `||v_hat_t||_1` at its best lr (1-bit Adam's "
+      "warmup is Adam on the mean gradient: the same trajectory), with the library's rule: a "
+      "check every Δ steps, ρ = ||v_hat_t||_1 / ||v_hat_{t-Δ}||_1 against the previous check, "
+      "first possible at t = 2Δ, fires at the first check with t >= min_steps (= the LR "
+      "warmup) and τ <= ρ <= 1/τ. Cells: freeze step per seed ('—' never).\n")
+  checks = []
+  for task in results:
+    predicted = replay_default(task)
+    actual = [r["freeze_step"] for r in task["onebit"][task["best_lr"]]]
+    checks.append(f"{task['name']}: replay {predicted}, runs {actual}")
+  add("Consistency (default rule, replay vs the 1-bit runs at the same lr): "
+      + "; ".join(checks) + ".\n")
+  add("| Δ | τ | " + " | ".join(t["name"] for t in results) + " |")
+  add("|---|---|" + "---|" * len(results))
+  tables = [replay(t) for t in results]
+  for key in tables[0]:
+    cells = ["/".join("—" if x is None else str(x) for x in tab[key]) for tab in tables]
+    add(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+  add("")
+
+
+def replay_default(task) -> list:
+  rec = task["onebit"][task["best_lr"]][0]
+  interval = observed_interval(rec)
+  if interval is None:
+    return ["no check in the run"]
+  threshold = onebit_optax.variance_ratio_freeze().threshold
+  return [first_freeze(np.asarray(r["nu_l1"]), interval, threshold, task["warmup"])
+          for r in task["adamw"][task["best_lr"]]]
+
+
+# ----------------------------------------------------------------------------
+# Plot and files.
+
+
+def plot(path, results):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, axes = plt.subplots(len(results), 3, figsize=(18, 4.5 * len(results)), squeeze=False)
+  for row, task in zip(axes, results):
+    s = summarize(task)
+    best = s["best"]
+    mean_curve = lambda recs: (recs[0]["eval_steps"],
+                               np.mean([r["val"] for r in recs], axis=0))
+    a = row[0]
+    a.plot(*mean_curve(task["adamw"][best]), "k", lw=2, label=f"AdamW lr {best:g}")
+    a.plot(*mean_curve(task["onebit"][best]), "tab:blue", lw=2, label="1-bit Adam, default rule")
+    greens = plt.cm.Greens(np.linspace(0.4, 0.9, len(task["fixed"])))
+    for c, (t, recs) in zip(greens, task["fixed"].items()):
+      a.plot(*mean_curve(recs), color=c, lw=1, label=f"1-bit, freeze at {t}")
+    for kind, color in (("naive", "tab:red"), ("no_feedback", "tab:orange")):
+      rec = task["references"][kind]
+      a.plot(rec["eval_steps"], rec["val"], color=color, lw=1, ls="--", label=kind)
+    finals = [s["adamw"][best]["mean"], s["onebit"][best]["mean"]]
+    a.set_ylim(min(finals) - 0.1, max(finals) + 1.0)
+    a.set(title=f"{task['name']}: validation loss (mean over seeds)", xlabel="step",
+          ylabel="nats")
+    a.legend(fontsize=7)
+    a = row[1]
+    for name, color in (("adamw", "k"), ("onebit", "tab:blue")):
+      lrs = list(s[name])
+      means = np.array([s[name][lr]["mean"] for lr in lrs])
+      stds = np.array([s[name][lr]["std"] for lr in lrs])
+      ok = means < 1e3
+      a.errorbar(np.array(lrs)[ok], means[ok], yerr=np.nan_to_num(stds[ok]), color=color,
+                 marker="o", capsize=3, label=name)
+    a.set_xscale("log")
+    a.set(title=f"{task['name']}: final validation loss vs peak lr", xlabel="peak lr")
+    a.legend(fontsize=7)
+    a = row[2]
+    for r in task["adamw"][best]:
+      l1 = np.asarray(r["nu_l1"])
+      a.plot(np.arange(1, len(l1) + 1), l1, lw=1, label=f"AdamW seed {r['seed']}")
+    for r in task["onebit"][best]:
+      if r["freeze_step"]:
+        a.axvline(r["freeze_step"], color="tab:blue", ls=":", lw=1)
+    a.axvline(task["warmup"], color="gray", ls="--", lw=1, label="LR warmup")
+    a.set_yscale("log")
+    a.set(title=f"{task['name']}: ||v_hat_t||_1 (dotted: default rule fired)", xlabel="step")
+    a.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+
+
+def _clean(x):
+  if isinstance(x, (float, np.floating)):
+    return float(f"{x:.6g}") if math.isfinite(x) else None
+  if isinstance(x, dict):
+    return {str(k): _clean(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_clean(v) for v in x]
+  return x
+
+
+def write(stem: str, results, meta) -> str:
+  """Writes ``stem``.md/.json/.png; returns the markdown."""
+  os.makedirs(os.path.dirname(stem), exist_ok=True)
+  md = build_markdown(results, meta)
+  with open(stem + ".md", "w") as f:
+    f.write(md + f"\n\n![curves]({os.path.basename(stem)}.png)\n")
+  plot(stem + ".png", results)
+  with open(stem + ".json", "w") as f:
+    json.dump(_clean(dict(meta=meta, tasks=results)), f)
+  return md

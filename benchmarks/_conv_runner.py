@@ -1,0 +1,261 @@
+"""The runner of benchmarks/convergence.py: one task, one optimizer, one learning rate, one seed.
+
+Training is data-parallel under ``jax.shard_map`` on a 1-D ``data`` mesh (8
+simulated CPU devices): each device differentiates its slice of the batch
+(``onebit_optax.local_params`` keeps the gradient local) and the optimizer does
+the communication. The optimizers (``kind``):
+
+* ``adamw``: optax.adamw on the float32 ``pmean`` of the local gradients;
+* ``onebit``: onebit_adam with the *default* freeze rule,
+  ``variance_ratio_freeze(min_steps=<LR warmup>)``;
+* ``fixed``: onebit_adam with ``fixed_step_freeze(freeze_at)``;
+* ``naive``: "naive 1-bit Adam": the *gradient* goes through the
+  error-compensated 1-bit ``compressed_mean`` after ``freeze_at`` full-precision
+  steps and feeds a plain optax.adamw (the failure the paper explains);
+* ``no_feedback``: ``fixed`` with the error buffers zeroed after every update.
+
+The learning rate and the fixed freeze step are *traced* inputs: every
+optimizer is built with a unit-peak schedule and its update is multiplied by
+the peak learning rate (exact, since both alias chains end in
+``scale_by_learning_rate``, after the decoupled weight decay), so one
+compilation per (task, kind) serves the whole sweep. Only the public API of
+onebit_optax is used.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import onebit_optax
+
+AXIS = "data"
+KINDS = ("adamw", "onebit", "fixed", "naive", "no_feedback")
+PERIODIC_VAL = 128  # periodic evaluations use at most this many validation examples.
+
+
+def _find_onebit_states(tree):
+  is_state = lambda s: isinstance(s, onebit_optax.ScaleByOnebitAdamState)
+  return [s for s in jax.tree.leaves(tree, is_leaf=is_state) if is_state(s)]
+
+
+def _zero_error_feedback(opt_state):
+  """``no_feedback``: forget the compression error after every step.
+
+  ``compressed_mean`` adds the worker (resp. server) error to its input before
+  compressing and returns the new residual. Zeroing every error buffer of the
+  state after each update means every call starts from zero error: the 1-bit
+  compression stays, the feedback of what it dropped is gone.
+  """
+  def zero(s):
+    if isinstance(s, onebit_optax.ScaleByOnebitAdamState):
+      fields = {k: jnp.zeros_like(v) for k, v in s._asdict().items() if "error" in k}
+      return s._replace(**fields)
+    return s
+  return jax.tree.map(zero, opt_state,
+                      is_leaf=lambda s: isinstance(s, onebit_optax.ScaleByOnebitAdamState))
+
+
+def _adam_nu_hat_l1(opt_state, b2: float):
+  """``||v_hat_t||_1`` of optax's Adam state: the quantity the variance-ratio rule watches."""
+  is_state = lambda s: isinstance(s, optax.ScaleByAdamState)
+  (s,) = [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+  correction = 1.0 - jnp.float32(b2) ** s.count.astype(jnp.float32)
+  return sum(jnp.sum(v) for v in jax.tree.leaves(s.nu)) / correction
+
+
+class Runner:
+  """Compiles a task's training chunk once per optimizer kind and runs it."""
+
+  def __init__(self, task, mesh, b2: float = 0.999):
+    self.task, self.mesh, self.b2 = task, mesh, b2
+    self.n = mesh.shape[AXIS]
+    self.size = sum(int(np.prod(x.shape))
+                    for x in jax.tree.leaves(task.init_params(jax.random.key(0))))
+    self.padded = onebit_optax.padded_size(self.size, self.n)
+    self.allreduce_bytes = float(onebit_optax.allreduce_wire_bytes(self.size, self.n))
+    self.schedule = optax.warmup_cosine_decay_schedule(0.0, 1.0, task.warmup, task.steps, 0.1)
+    val = task.val_set(self.n)
+    periodic = min(len(val[0]), PERIODIC_VAL) // self.n * self.n
+    sharding = NamedSharding(mesh, P(AXIS))
+    self.val_full = tuple(jax.device_put(a, sharding) for a in val)
+    self.val_periodic = tuple(jax.device_put(a[:periodic], sharding) for a in val)
+    self._chunks: dict[str, Any] = {}
+    self._evaluate = self._build_eval()
+
+  # --------------------------------------------------------------------------
+
+  def make_tx(self, kind: str, freeze_at=1):
+    """The optimizer of ``kind`` (peak learning rate 1; the runner scales its update)."""
+    kw = dict(b2=self.b2, weight_decay=self.task.weight_decay, mask=self.task.decay_mask)
+    if kind in ("adamw", "naive"):
+      return optax.adamw(self.schedule, **kw)
+    if kind == "onebit":  # The default rule; never before the LR warmup is over.
+      freeze = onebit_optax.variance_ratio_freeze(min_steps=self.task.warmup)
+    else:
+      freeze = freeze_at  # an int or a traced scalar: a fixed freeze step.
+    return onebit_optax.onebit_adam(self.schedule, axis_name=AXIS, freeze=freeze, **kw)
+
+  def _init(self, kind: str, params):
+    tx = self.make_tx(kind)
+    if kind in ("adamw", "naive"):
+      opt_state = jax.device_put(tx.init(params), NamedSharding(self.mesh, P()))
+      opt_specs = jax.tree.map(lambda _: P(), opt_state)
+    else:
+      opt_state = onebit_optax.init_sharded(tx, params, self.mesh, AXIS)
+      opt_specs = onebit_optax.state_partition_specs(opt_state, AXIS)
+    carry = {"opt": opt_state, "step": jnp.zeros([], jnp.int32)}
+    specs = {"opt": opt_specs, "step": P()}
+    if kind == "naive":
+      carry["worker_error"] = jnp.zeros((self.n, self.padded), jnp.float32)
+      carry["server_error"] = jnp.zeros((self.n, self.padded // self.n), jnp.float32)
+      specs["worker_error"] = specs["server_error"] = P(AXIS)
+    carry = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)),
+                         carry, specs, is_leaf=lambda x: isinstance(x, P))
+    return carry, specs
+
+  def _naive_mean(self, flat_grads, carry, step, freeze_at):
+    """Error-compensated 1-bit mean of the *gradient* after ``freeze_at`` fp32 steps."""
+    size, padded = self.size, self.padded
+
+    def full_precision(ops):
+      g, we, se = ops
+      return jax.lax.pmean(g, AXIS), we, se
+
+    def compressed(ops):
+      g, we, se = ops
+      mean, we, se = onebit_optax.compressed_mean(jnp.pad(g, (0, padded - size)), we[0], se[0],
+                                                  AXIS)
+      return mean[:size], we[None], se[None]
+
+    compress = step > freeze_at  # replicated: all devices take the same branch.
+    mean, we, se = jax.lax.cond(compress, compressed, full_precision,
+                                (flat_grads, carry["worker_error"], carry["server_error"]))
+    wire = jnp.where(compress, onebit_optax.compressed_wire_bytes(padded, self.n),
+                     self.allreduce_bytes).astype(jnp.float32)
+    return mean, we, se, wire
+
+  def _train_step(self, kind, params, carry, batch, lr, freeze_at):
+    task = self.task
+    tx = self.make_tx(kind, freeze_at)
+    step = carry["step"] + 1
+
+    def loss_fn(p):
+      total, count = task.loss_sums(p, batch)
+      return total / count
+
+    # Local gradients: local_params keeps jax.grad from all-reducing them.
+    loss, grads = jax.value_and_grad(loss_fn)(onebit_optax.local_params(params, AXIS))
+    if task.clip:
+      clip = onebit_optax.clip_by_global_norm(task.clip, axis_name=AXIS)
+      grads, _ = clip.update(grads, clip.init(None))
+    new = dict(carry, step=step)
+    nan = jnp.float32(jnp.nan)
+    metrics = dict(nu_l1=nan, ratio=nan, frozen=jnp.bool_(False))
+    if kind == "adamw":
+      updates, new["opt"] = tx.update(jax.lax.pmean(grads, AXIS), carry["opt"], params)
+      metrics["nu_l1"] = _adam_nu_hat_l1(new["opt"], self.b2)
+      wire = jnp.float32(self.allreduce_bytes)
+    elif kind == "naive":
+      flat, unravel = ravel_pytree(grads)
+      mean, new["worker_error"], new["server_error"], wire = self._naive_mean(
+          flat, carry, step, freeze_at)
+      updates, new["opt"] = tx.update(unravel(mean), carry["opt"], params)
+      metrics["frozen"] = step >= freeze_at
+    else:
+      updates, opt_state = tx.update(grads, carry["opt"], params)
+      if kind == "no_feedback":
+        opt_state = _zero_error_feedback(opt_state)
+      new["opt"] = opt_state
+      wire = onebit_optax.wire_bytes(opt_state).astype(jnp.float32)
+      metrics.update(ratio=onebit_optax.variance_ratio(opt_state).astype(jnp.float32),
+                     frozen=onebit_optax.is_frozen(opt_state))
+    updates = jax.tree.map(lambda u: lr * u, updates)
+    params = optax.apply_updates(params, updates)
+    metrics["wire"] = wire
+    # The loss leaves per device (P(None, AXIS)) and is averaged on the host:
+    # logging adds no collective to the step.
+    return params, new, (loss[None], metrics)
+
+  def _chunk_fn(self, kind: str, specs):
+    if kind in self._chunks:
+      return self._chunks[kind]
+    batch_specs = P(None, AXIS)
+    metric_specs = dict(nu_l1=P(), ratio=P(), frozen=P(), wire=P())
+
+    @jax.jit
+    @functools.partial(
+        jax.shard_map, mesh=self.mesh,
+        in_specs=(P(), specs, batch_specs, P(), P()),
+        out_specs=(P(), specs, (batch_specs, metric_specs)))
+    def chunk(params, carry, batches, lr, freeze_at):
+      def body(state, batch):
+        params, carry = state
+        params, carry, out = self._train_step(kind, params, carry, batch, lr, freeze_at)
+        return (params, carry), out
+      (params, carry), out = jax.lax.scan(body, (params, carry), batches)
+      return params, carry, out
+
+    self._chunks[kind] = chunk
+    return chunk
+
+  def _build_eval(self):
+    task = self.task
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=self.mesh, in_specs=(P(), P(AXIS)),
+                       out_specs=P(AXIS))
+    def evaluate(params, batch):
+      total, count = task.loss_sums(params, batch)
+      return jnp.stack([total, count])[None]
+
+    return lambda params, batch: float(np.divide(*np.asarray(evaluate(params, batch)).sum(0)))
+
+  # --------------------------------------------------------------------------
+
+  def run(self, kind: str, lr: float, seed: int, freeze_at: int = 1) -> dict:
+    """Trains ``task.steps`` steps; returns the curves and the final validation loss."""
+    assert kind in KINDS, kind
+    task, mesh = self.task, self.mesh
+    wall0 = time.time()
+    params = jax.device_put(task.init_params(jax.random.key(seed)), NamedSharding(mesh, P()))
+    carry, specs = self._init(kind, params)
+    chunk = self._chunk_fn(kind, specs)
+    batch_sharding = NamedSharding(mesh, P(None, AXIS))
+    global_batch = self.n * task.batch_per_device
+    lr_arg, freeze_arg = jnp.float32(lr), jnp.int32(freeze_at)
+    rec = {k: [] for k in ("loss", "wire", "frozen", "ratio", "nu_l1")}
+    rec.update(eval_steps=[0], val=[self._evaluate(params, self.val_periodic)])
+    for s0 in range(0, task.steps, task.chunk):
+      steps = range(s0 + 1, min(s0 + task.chunk, task.steps) + 1)
+      per_step = [task.train_batch(seed, s, global_batch) for s in steps]
+      batches = tuple(jax.device_put(np.stack(leaf), batch_sharding) for leaf in zip(*per_step))
+      params, carry, (loss, metrics) = chunk(params, carry, batches, lr_arg, freeze_arg)
+      rec["loss"].extend(np.asarray(loss).mean(axis=1).tolist())
+      for k, v in metrics.items():
+        rec[k].extend(np.asarray(v).astype(np.float64).tolist())
+      rec["eval_steps"].append(steps[-1])
+      rec["val"].append(self._evaluate(params, self.val_periodic))
+    final = self._evaluate(params, self.val_full)
+    frozen = np.asarray(rec["frozen"], bool)
+    if kind in ("adamw",):
+      freeze_step = None
+    elif kind == "naive":
+      freeze_step = freeze_at
+    else:
+      freeze_step = int(onebit_optax.freeze_step(carry["opt"])) if frozen.any() else None
+    if kind != "adamw":
+      del rec["nu_l1"]
+    if kind not in ("onebit", "fixed", "no_feedback"):
+      del rec["ratio"]
+    return dict(rec, kind=kind, lr=lr, seed=seed, final_val=final,
+                total_bytes=float(np.sum(rec["wire"])), freeze_step=freeze_step,
+                wall_s=time.time() - wall0)
