@@ -274,12 +274,11 @@ def _check_update(updates, state, axis_name):
     raise ValueError(
         f"scale_by_onebit_adam.update: the state's buffers have shapes mu "
         f"{state.mu.shape}, worker_error {state.worker_error.shape} and server_error "
-        f"{state.server_error.shape} per device, but these gradients ({layout.size} "
-        f"parameters in {len(layout.shapes)} leaves) on {n} devices need "
-        f"({layout.padded},), (1, {layout.padded}) and (1, {layout.chunk}). The state "
-        "was made for another model or device count: re-init it, or restore it with "
-        "onebit_optax's checkpoint helpers. Under shard_map, shard it with "
-        "onebit_optax.state_partition_specs(state, axis_name).")
+        f"{state.server_error.shape} per device, but these leaves on {n} devices need "
+        f"({layout.padded},), (1, {layout.padded}) and (1, {layout.chunk}): the state was "
+        "made for another device count: re-init it on this mesh, or restore it with "
+        "onebit_optax.restore_checkpoint (which moves it to another device count). Under "
+        "shard_map, shard it with onebit_optax.state_partition_specs(state, axis_name).")
   if (axis_name is not None and axis_name in _collective._varying_axes(state.worker_error)
       and any(axis_name not in _collective._varying_axes(g) for g in jax.tree.leaves(updates))):
     raise ValueError(

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+
+import _flat  # tests/_flat.py: the layout written out independently
 from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
@@ -122,16 +124,23 @@ def test_freeze_happens_inside_the_run_after_the_lr_warmup(executed):
 def test_bytes_match_the_ring_and_two_phase_formulas(executed):
   text = _text(executed)
   d = int(_number(r"([\d,]+) parameters", text))
+  vocab = int(_number(r"vocabulary (\d+)", text))
+  # The notebook's model, leaves in pytree order: b1 (128), b2, embed (vocab x 16),
+  # w1 (context * 16 x 128), w2 (128 x vocab); the context follows from d.
+  context = (d - 128 - vocab - 16 * vocab - 128 * vocab) // (16 * 128)
+  leaf_sizes = [128, vocab, 16 * vocab, context * 16 * 128, 128 * vocab]
+  assert sum(leaf_sizes) == d
   n = DEVICES
   allreduce = 2 * (n - 1) / n * d * 4  # ring all-reduce of float32: reduce-scatter + all-gather
-  padded = -(-d // (8 * n)) * (8 * n)
-  onebit = 2 * (n - 1) * (padded / (8 * n) + 4)  # all_to_all + all_gather: packed signs + scale
+  onebit = _flat.compressed_bytes(leaf_sizes, n)  # all_to_all + all_gather: signs + scales
   assert _number(r"per step: Adam ([\d,]+)", text) == pytest.approx(allreduce, abs=1)
   assert _number(r"after the freeze ([\d,]+)", text) == pytest.approx(onebit, abs=1)
   freeze = int(_number(r"froze the variance after step (\d+)", text))
   assert _number(r"whole run: Adam ([\d,]+)", text) == pytest.approx(STEPS * allreduce, rel=1e-6)
+  # 1-bit Adam's warmup all-reduces its flat buffer, padding included.
+  warmup = _flat.allreduce_bytes(leaf_sizes, n)
   assert _number(r"whole run: Adam [\d,]+, 1-bit Adam ([\d,]+)", text) == pytest.approx(
-      freeze * allreduce + (STEPS - freeze) * onebit, rel=1e-6)
+      freeze * warmup + (STEPS - freeze) * onebit, rel=1e-6)
 
 
 def test_onebit_adam_trains_as_well_as_adam(executed):
