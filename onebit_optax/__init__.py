@@ -8,6 +8,8 @@ from onebit_optax._checkpoint import restore_checkpoint
 from onebit_optax._checkpoint import save_checkpoint
 from onebit_optax._collective import allreduce_wire_bytes
 from onebit_optax._collective import compressed_mean
+from onebit_optax._compressed_updates import compressed_mean_updates
+from onebit_optax._compressed_updates import CompressedMeanState
 from onebit_optax._collective import compressed_wire_bytes
 from onebit_optax._compressor import padded_size
 from onebit_optax._compressor import sign_compress
@@ -42,6 +44,8 @@ __all__ = (
     "clip_by_global_norm",
     "allreduce_wire_bytes",
     "compressed_mean",
+    "compressed_mean_updates",
+    "CompressedMeanState",
     "compressed_wire_bytes",
     "fixed_step_freeze",
     "FixedStepFreeze",

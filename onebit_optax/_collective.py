@@ -53,6 +53,16 @@ def _varying_axes(x) -> frozenset:
   return frozenset(getattr(aval, "vma", ()))
 
 
+def vary(x, axis_name: AxisName):
+  """Marks ``x`` as differing across devices (the type of per-device buffers under check_vma)."""
+  if axis_name is None or axis_name in _varying_axes(x):
+    return x
+  try:
+    return jax.lax.pcast(x, axis_name, to="varying")
+  except ValueError:  # outside a check_vma shard_map, there is no type to change
+    return x
+
+
 def full_precision_mean(x: jax.Array, axis_name: AxisName) -> jax.Array:
   """Mean of ``x`` over ``axis_name`` in full precision (an all-reduce)."""
   if axis_name is None:

@@ -143,16 +143,6 @@ def _check_float_dtype(name, dtype):
   return dtype
 
 
-def _vary(x, axis_name):
-  """Marks ``x`` as differing across devices (needed for per-device buffers)."""
-  if axis_name is None or axis_name in _collective._varying_axes(x):
-    return x
-  try:
-    return jax.lax.pcast(x, axis_name, to="varying")
-  except ValueError:  # outside a check_vma shard_map, there is no type to change
-    return x
-
-
 def _bias_correction(decay, count):
   return 1.0 - jnp.asarray(decay, jnp.float32) ** count
 
@@ -212,7 +202,7 @@ def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> 
       finite=finite, mu=mu, nu=nu,
       frozen=freeze_now, freeze_step=jnp.where(freeze_now, count, 0).astype(jnp.int32),
       variance_ratio=ratio, reference_l1=reference,
-      worker_error=_vary(jnp.zeros_like(state.worker_error), hp.axis_name),
+      worker_error=_collective.vary(jnp.zeros_like(state.worker_error), hp.axis_name),
       server_error=state.server_error,
       wire_bytes=jnp.float32(_collective.allreduce_wire_bytes(layout.padded, n)))
 
@@ -444,8 +434,8 @@ def scale_by_onebit_adam(
         reference_l1=jnp.zeros([], jnp.float32),
         wire_bytes=jnp.zeros([], jnp.float32),
         skipped_steps=jnp.zeros([], jnp.int32),
-        worker_error=_vary(jnp.zeros((1, layout.padded), error_dtype), axis_name),
-        server_error=_vary(jnp.zeros((1, layout.chunk), error_dtype), axis_name),
+        worker_error=_collective.vary(jnp.zeros((1, layout.padded), error_dtype), axis_name),
+        server_error=_collective.vary(jnp.zeros((1, layout.chunk), error_dtype), axis_name),
     )
 
   def update_fn(updates, state, params=None, **extra_args):

@@ -9,6 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from onebit_optax import _collective
+from onebit_optax._compressed_updates import CompressedMeanState
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 
 __all__ = ["local_params", "state_partition_specs", "init_sharded"]
@@ -85,12 +86,13 @@ def state_partition_specs(opt_state, axis_name: Hashable):
     `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
   """
   def spec(node):
-    if isinstance(node, ScaleByOnebitAdamState):
+    if isinstance(node, (ScaleByOnebitAdamState, CompressedMeanState)):
       replicated = jax.tree.map(lambda _: P(), node)
       return replicated._replace(worker_error=P(axis_name), server_error=P(axis_name))
     return P()
   return jax.tree.map(
-      spec, opt_state, is_leaf=lambda x: isinstance(x, ScaleByOnebitAdamState))
+      spec, opt_state,
+      is_leaf=lambda x: isinstance(x, (ScaleByOnebitAdamState, CompressedMeanState)))
 
 
 def state_specs_for(tx, params, mesh: Mesh, axis_name: Hashable, *, caller: str):
