@@ -15,6 +15,7 @@ __all__ = [
     "variance_ratio_freeze",
     "fixed_step_freeze",
     "default_interval",
+    "policy_interval",
 ]
 
 
@@ -84,12 +85,36 @@ def _check_interval(interval, caller: str) -> Optional[int]:
   return interval
 
 
-def default_interval(b2) -> jax.Array:
-  r"""The default :math:`\Delta`: the time constant of the variance EMA, :math:`1/(1-\beta_2)`.
+def default_interval(b2, min_steps: int = 0) -> jax.Array:
+  r"""The default :math:`\Delta`: a third of ``min_steps``, at most :math:`1/(1-\beta_2)`.
 
-  Works on a traced ``b2`` (under ``optax.inject_hyperparams``).
+  .. math::
+
+    \Delta = \begin{cases}
+      \min\big(\lceil \text{min\_steps}/3 \rceil,\ \mathrm{round}(1/(1-\beta_2))\big)
+        & \text{min\_steps} > 0, \\
+      \mathrm{round}(1/(1-\beta_2)) & \text{min\_steps} = 0.
+    \end{cases}
+
+  :math:`1/(1-\beta_2)` is the averaging window of :math:`v` (the seed's
+  choice, 1000 steps for :math:`\beta_2 = 0.999`); with it, a run shorter than
+  :math:`2/(1-\beta_2)` steps never checks, so never compresses. ``min_steps``
+  (the LR warmup) is the one length the policy is told that scales with the
+  run; a third of it puts the first check that may fire right after the warmup
+  and the next ones close behind. Works on a traced ``b2`` (under
+  ``optax.inject_hyperparams``).
+
+  Args:
+    b2: decay rate of the second moment.
+    min_steps: the policy's ``min_steps`` (a Python int).
+
+  Returns:
+    :math:`\Delta` as a 0-d int32 array.
   """
-  return jnp.maximum(jnp.round(1.0 / (1.0 - jnp.asarray(b2, jnp.float32))), 1).astype(jnp.int32)
+  window = jnp.maximum(jnp.round(1.0 / (1.0 - jnp.asarray(b2, jnp.float32))), 1).astype(jnp.int32)
+  if int(min_steps) <= 0:
+    return window
+  return jnp.minimum(jnp.int32(-(-int(min_steps) // 3)), window)
 
 
 def variance_ratio_freeze(
@@ -121,15 +146,40 @@ def variance_ratio_freeze(
   once. The bias correction divides exactly that factor out, so
   :math:`\rho_t` only moves when the gradient statistics move. The test is
   two-sided (a variance that grows by more than :math:`1/\tau` is not stable
-  either). :math:`\Delta` defaults to :math:`1/(1-\beta_2)` (1000 steps for
-  :math:`\beta_2 = 0.999`), the averaging window of :math:`v`: over a shorter
-  interval consecutive :math:`\hat v` overlap so much that the ratio is close to
-  1 whatever the trend. Set ``min_steps`` to at least the learning-rate warmup.
+  either). Set ``min_steps`` to at least the learning-rate warmup.
+
+  What each parameter does to the freeze step :math:`T_0`:
+
+  * ``min_steps``: :math:`T_0 \ge` ``min_steps``; with ``interval=None`` it
+    also sets :math:`\Delta` (see :func:`default_interval`):
+    :math:`\lceil` ``min_steps`` :math:`/3\rceil`, at most
+    :math:`1/(1-\beta_2)`; ``min_steps=0`` gives :math:`1/(1-\beta_2)`.
+  * ``interval`` :math:`\Delta`: checks at multiples of :math:`\Delta`, the
+    first that may fire at :math:`2\Delta`. While :math:`t < 1/(1-\beta_2)`
+    the bias-corrected :math:`\hat v_t` is close to the *mean* of
+    :math:`g^2` over steps :math:`1..t`, so :math:`\rho_t - 1 \approx
+    (r - 1)\,\Delta/t`, with :math:`r` the mean of :math:`g^2` over the last
+    :math:`\Delta` steps relative to :math:`\hat v_{t-\Delta}`: the rule
+    fires once :math:`|r - 1| \lesssim (1-\tau)\,t/\Delta`, a tolerance that
+    widens as :math:`t` grows. A larger :math:`\Delta` freezes later (and
+    only at multiples of it); a smaller one earlier.
+  * ``threshold`` :math:`\tau`: a band :math:`[\tau, 1/\tau]`; a lower
+    :math:`\tau` freezes earlier.
+  * ``max_steps``: :math:`T_0 \le` ``max_steps`` whatever the ratio.
+
+  The seed's criterion (the paper's threshold 0.96 over the averaging window
+  of :math:`v`) is ``variance_ratio_freeze(warmup, interval=round(1/(1-b2)))``.
+  The default :math:`\Delta` was chosen with the freeze study of
+  ``benchmarks/convergence.py`` (3 tasks, several seeds, fixed freeze steps
+  against a tuned AdamW; table in the README's Results).
 
   Args:
-    min_steps: never freeze before this step (use at least the LR warmup length).
+    min_steps: never freeze before this step (use at least the LR warmup
+      length); with ``interval=None`` it also sets :math:`\Delta`.
     threshold: :math:`\tau` in (0, 1]; the paper uses 0.96.
-    interval: :math:`\Delta` in steps; ``None`` means :math:`\mathrm{round}(1/(1-\beta_2))`.
+    interval: :math:`\Delta` in steps; ``None``: :func:`default_interval`,
+      :math:`\min(\lceil` ``min_steps`` :math:`/3\rceil, \mathrm{round}(1/(1-\beta_2)))`
+      (:math:`\mathrm{round}(1/(1-\beta_2))` when ``min_steps`` is 0).
     max_steps: freeze at this step at the latest, stable or not (``None``: no
       limit). A variance that keeps drifting (seen in the BERT-style example)
       otherwise means the run never compresses.
@@ -220,13 +270,21 @@ def _injected_step(step) -> FixedStepFreeze:
   return FixedStepFreeze(step, None)
 
 
+def policy_interval(policy: FreezePolicy, b2) -> jax.Array:
+  """:math:`\\Delta` of ``policy`` for this ``b2`` (:func:`default_interval` when not given)."""
+  if policy.interval is not None:
+    return jnp.int32(policy.interval)
+  min_steps = policy.min_steps if isinstance(policy, VarianceRatioFreeze) else 0
+  return default_interval(b2, min_steps)
+
+
 def freeze_decision(policy: FreezePolicy, count, nu_hat_l1, reference_l1, ratio, b2):
   """Returns ``(freeze_now, new_reference_l1, new_ratio)`` after warmup step ``count``.
 
   All inputs are replicated values (the mean-gradient moments), so every device
   takes the same decision: no extra collective, no divergent ``lax.cond``.
   """
-  interval = default_interval(b2) if policy.interval is None else jnp.int32(policy.interval)
+  interval = policy_interval(policy, b2)
   is_check = (count % interval) == 0
   has_reference = reference_l1 > 0
   measured = jnp.where(has_reference, nu_hat_l1 / jnp.where(has_reference, reference_l1, 1.0),
