@@ -15,9 +15,12 @@ import optax
 
 import onebit_optax
 
-# The replay grid of the variance-ratio rule (min_steps = the LR warmup).
-REPLAY_INTERVALS = (5, 10, 20, 50, 100)
-REPLAY_THRESHOLDS = (0.90, 0.96, 0.99)
+# The replay grid of the variance-ratio rule (min_steps = W, the LR warmup): Δ
+# as a function of W (the default is ceil(W / 3)) and fixed values.
+REPLAY_INTERVALS = (("ceil(W/5)", lambda w: -(-w // 5)), ("ceil(W/3)", lambda w: -(-w // 3)),
+                    ("ceil(W/2)", lambda w: -(-w // 2)), ("W", lambda w: w),
+                    ("50", lambda w: 50), ("1/(1-b2)", None))
+REPLAY_THRESHOLDS = (0.90, 0.96, 0.98)
 PARITY = 0.005  # 1-bit Adam's mean final validation loss within +0.5% of AdamW's.
 MIN_REDUCTION = 5.0  # and at least 5x less communication over the run.
 REFERENCE_BAR = 0.015  # the failing references end > 1.5% above 1-bit Adam.
@@ -32,20 +35,34 @@ def _run(cmd) -> str:
   return subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
 
 
+def _sources_digest(read_files) -> str:
+  import hashlib  # pylint: disable=g-import-not-at-top
+  digest = hashlib.sha256()
+  for name, data in read_files:
+    digest.update(name.encode() + b"\0" + data)
+  return digest.hexdigest()[:12]
+
+
 def _git_describe() -> str:
-  """The commit, and a digest of the package sources when they differ from it."""
+  """The commit, and whether the onebit_optax that was imported is exactly that commit's.
+
+  The imported package (wherever it came from) is hashed and compared with the
+  commit's ``onebit_optax/*.py``: others may be editing the working tree.
+  """
   try:
     head = _run(["git", "rev-parse", "--short", "HEAD"])
-    if _run(["git", "status", "--porcelain", "onebit_optax"]):
-      import hashlib  # pylint: disable=g-import-not-at-top
-      pkg = os.path.dirname(onebit_optax.__file__)
-      digest = hashlib.sha256()
-      for name in sorted(os.listdir(pkg)):
-        if name.endswith(".py"):
-          with open(os.path.join(pkg, name), "rb") as f:
-            digest.update(f.read())
-      return f"{head} + uncommitted onebit_optax/ changes (sources sha256 {digest.hexdigest()[:12]})"
-    return head
+    pkg = os.path.dirname(onebit_optax.__file__)
+    names = sorted(n for n in os.listdir(pkg) if n.endswith(".py"))
+    imported = _sources_digest((n, open(os.path.join(pkg, n), "rb").read()) for n in names)
+    listed = _run(["git", "ls-tree", "--name-only", "HEAD", "onebit_optax/"]).split()
+    committed_names = sorted(os.path.basename(p) for p in listed if p.endswith(".py"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    committed = _sources_digest(
+        (n, subprocess.run(["git", "show", f"HEAD:onebit_optax/{n}"], cwd=root,
+                           capture_output=True, check=True).stdout) for n in committed_names)
+    if imported == committed:
+      return head
+    return f"{head} + uncommitted onebit_optax/ changes (sources sha256 {imported})"
   except Exception:  # pylint: disable=broad-except
     return "unknown"
 
@@ -106,6 +123,15 @@ def observed_interval(rec) -> int | None:
 # Summaries.
 
 
+def _paired(recs, base) -> str:
+  """Mean ± std over seeds of the relative difference to ``base``'s run with the same seed."""
+  ref = {r["seed"]: r["final_val"] for r in base}
+  rel = np.array([(r["final_val"] / ref[r["seed"]] - 1) * 100 for r in recs if r["seed"] in ref])
+  if not len(rel) or not np.all(np.isfinite(rel)):
+    return "—"
+  return f"{rel.mean():+.2f} ± {rel.std(ddof=1):.2f}%" if len(rel) > 1 else f"{rel[0]:+.2f}%"
+
+
 def _stats(recs) -> dict:
   vals = np.array([r["final_val"] for r in recs], float)
   std = float(np.std(vals, ddof=1)) if len(vals) > 1 else float("nan")
@@ -126,15 +152,6 @@ def _rel(a: float, b: float) -> str:
   return f"{(a / b - 1) * 100:+.2f}%"
 
 
-def _freeze_str(steps, total) -> str:
-  if not any(steps):
-    return "never"
-  fired = [s for s in steps if s]
-  never = len(steps) - len(fired)
-  text = "/".join(str(s) for s in steps if s) + f" ({np.mean(fired) / total:.0%})"
-  return text + (f", {never} never" if never else "")
-
-
 def summarize(task: dict) -> dict:
   adamw = {lr: _stats(r) for lr, r in task["adamw"].items()}
   onebit = {lr: _stats(r) for lr, r in task["onebit"].items()}
@@ -149,12 +166,25 @@ def summarize(task: dict) -> dict:
 def replay(task: dict) -> dict:
   """Fire step per seed for every (Δ, τ) of the grid, on AdamW's trajectories at its best lr."""
   curves = [np.asarray(r["nu_l1"]) for r in task["adamw"][task["best_lr"]]]
+  window = int(round(1 / (1 - task["b2"])))
   out = {}
-  for interval in REPLAY_INTERVALS:
+  for label, interval in REPLAY_INTERVALS:
+    delta = window if interval is None else interval(task["warmup"])
     for threshold in REPLAY_THRESHOLDS:
-      out[(interval, threshold)] = [first_freeze(c, interval, threshold, task["warmup"])
-                                    for c in curves]
+      out[(label, threshold)] = (delta, [first_freeze(c, delta, threshold, task["warmup"])
+                                         for c in curves])
   return out
+
+
+def _fired(steps, total) -> str:
+  """'median [min-max] (x% of the run)', with how many seeds never fired."""
+  fired = [s for s in steps if s]
+  if not fired:
+    return "never"
+  text = (f"{int(np.median(fired))}" + (f" [{min(fired)}–{max(fired)}]" if len(set(fired)) > 1
+                                          else "") + f" ({np.median(fired) / total:.0%})")
+  never = len(steps) - len(fired)
+  return text + (f", {never}/{len(steps)} never" if never else "")
 
 
 def goals(results) -> list[tuple[str, bool]]:
@@ -206,14 +236,16 @@ def build_markdown(results, meta) -> str:
       "steps; AdamW: a float32 ring all-reduce, `allreduce_wire_bytes`).\n")
   add("## Summary\n")
   add("| task | params | steps | AdamW lr (best) | AdamW val | 1-bit Adam val, same lr | vs "
-      "AdamW | default rule froze after | MB sent per device, AdamW / 1-bit | less | "
-      "1-bit Adam's own best lr | its val | vs AdamW |")
-  add("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+      "AdamW | same seed | default rule froze after | MB sent per device, AdamW / 1-bit | "
+      "less | 1-bit Adam's own best lr | its val | vs AdamW |")
+  add("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for task in results:
     s = summarize(task)
     a, o, ob = s["adamw"][s["best"]], s["onebit"][s["best"]], s["onebit"][s["own_best"]]
     add(f"| {task['name']} | {task['params']:,} | {task['steps']} | {s['best']:g} | {_fmt(a)} "
-        f"| {_fmt(o)} | {_rel(o['mean'], a['mean'])} | {_freeze_str(o['freeze'], task['steps'])} "
+        f"| {_fmt(o)} | {_rel(o['mean'], a['mean'])} | "
+        f"{_paired(task['onebit'][s['best']], task['adamw'][s['best']])} | "
+        f"{_fired(o['freeze'], task['steps'])} "
         f"| {s['base_bytes'] / 1e6:,.1f} / {o['bytes'] / 1e6:,.1f} | "
         f"{s['base_bytes'] / o['bytes']:.2f}x | {s['own_best']:g} | {_fmt(ob)} | "
         f"{_rel(ob['mean'], a['mean'])} |")
@@ -235,26 +267,30 @@ def _task_section(add, task):
   add(f"{task['params']:,} parameters, {task['steps']} steps, global batch {task['batch']} "
       f"({task['devices']} devices), LR warmup {task['warmup']} steps; task wall time "
       f"{task['wall_s'] / 60:.1f} min.\n")
-  add("| peak lr | AdamW val | 1-bit Adam val | 1-bit vs AdamW | default rule froze after "
-      "(per seed) | 1-bit comm. reduction |")
-  add("|---|---|---|---|---|---|")
+  add("| peak lr | AdamW val | 1-bit Adam val | 1-bit vs AdamW | same seed | default rule "
+      "froze after | 1-bit comm. reduction |")
+  add("|---|---|---|---|---|---|---|")
   for lr in s["adamw"]:
     aa, oo = s["adamw"][lr], s["onebit"][lr]
     mark = lambda cond: " **(best)**" if cond else ""
     add(f"| {lr:g} | {_fmt(aa)}{mark(lr == s['best'])} | {_fmt(oo)}{mark(lr == s['own_best'])} "
-        f"| {_rel(oo['mean'], aa['mean'])} | {_freeze_str(oo['freeze'], task['steps'])} | "
+        f"| {_rel(oo['mean'], aa['mean'])} | "
+        f"{_paired(task['onebit'][lr], task['adamw'][lr])} | "
+        f"{_fired(oo['freeze'], task['steps'])} | "
         f"{s['base_bytes'] / oo['bytes']:.2f}x |")
   add("")
   add(f"Freeze-step study at AdamW's lr {s['best']:g}: 1-bit Adam with `fixed_step_freeze(t)`.\n")
-  add("| variance frozen after step | val | vs AdamW | comm. reduction |")
-  add("|---|---|---|---|")
+  add("| variance frozen after step | val | vs AdamW | same seed | comm. reduction |")
+  add("|---|---|---|---|---|")
+  base = task["adamw"][s["best"]]
   for t, f in s["fixed"].items():
     add(f"| {t} ({t / task['steps']:.0%}) | {_fmt(f)} | {_rel(f['mean'], a['mean'])} | "
-        f"{s['base_bytes'] / f['bytes']:.2f}x |")
+        f"{_paired(task['fixed'][t], base)} | {s['base_bytes'] / f['bytes']:.2f}x |")
   o = s["onebit"][s["best"]]
-  add(f"| default rule: {_freeze_str(o['freeze'], task['steps'])} | {_fmt(o)} | "
-      f"{_rel(o['mean'], a['mean'])} | {s['base_bytes'] / o['bytes']:.2f}x |")
-  add(f"| AdamW (never) | {_fmt(a)} | — | 1.00x |")
+  add(f"| default rule: {_fired(o['freeze'], task['steps'])} | {_fmt(o)} | "
+      f"{_rel(o['mean'], a['mean'])} | {_paired(task['onebit'][s['best']], base)} | "
+      f"{s['base_bytes'] / o['bytes']:.2f}x |")
+  add(f"| AdamW (never) | {_fmt(a)} | — | — | 1.00x |")
   add("")
   same_seed = task["onebit"][s["best"]][0]["final_val"]
   add(f"Failing references, seed {task['onebit'][s['best']][0]['seed']}, frozen after step "
@@ -275,7 +311,10 @@ def _replay_section(add, results):
       "warmup is Adam on the mean gradient: the same trajectory), with the library's rule: a "
       "check every Δ steps, ρ = ||v_hat_t||_1 / ||v_hat_{t-Δ}||_1 against the previous check, "
       "first possible at t = 2Δ, fires at the first check with t >= min_steps (= the LR "
-      "warmup) and τ <= ρ <= 1/τ. Cells: freeze step per seed ('—' never).\n")
+      "warmup W) and τ <= ρ <= 1/τ. Cells: freeze step, median [min–max] over seeds "
+      "(% of the run). The default is Δ = ceil(W/3), τ = 0.96; the seed's criterion is "
+      "Δ = 1/(1-b2) = 1000 (b2 = 0.999), τ = 0.96. Read it with the freeze-step studies "
+      "above (what freezing at a given step costs).\n")
   checks = []
   for task in results:
     predicted = replay_default(task)
@@ -283,11 +322,12 @@ def _replay_section(add, results):
     checks.append(f"{task['name']}: replay {predicted}, runs {actual}")
   add("Consistency (default rule, replay vs the 1-bit runs at the same lr): "
       + "; ".join(checks) + ".\n")
-  add("| Δ | τ | " + " | ".join(t["name"] for t in results) + " |")
+  add("| Δ | τ | " + " | ".join(f"{t['name']} (W = {t['warmup']})" for t in results) + " |")
   add("|---|---|" + "---|" * len(results))
   tables = [replay(t) for t in results]
   for key in tables[0]:
-    cells = ["/".join("—" if x is None else str(x) for x in tab[key]) for tab in tables]
+    cells = [f"Δ={tab[key][0]}: {_fired(tab[key][1], task['steps'])}"
+             for tab, task in zip(tables, results)]
     add(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
   add("")
 

@@ -45,6 +45,7 @@ class Task:
   # (multiple) -> the whole validation set, its length a multiple of the device count.
   val_set: Callable[[int], tuple]
   chunk: int = 25  # steps per compiled call (lax.scan) and between evaluations.
+  seeds: int = 3  # seeds per configuration (a cheap, noisy task gets more).
   # Global-norm clipping of the gradient before the optimizer (None: none), with
   # onebit_optax.clip_by_global_norm: one factor agreed across devices.
   clip: float | None = None
@@ -97,7 +98,7 @@ def _mlm_task(steps: int) -> Task:
   return Task(
       name="mlm", title=(f"BERT-style MLM: bidirectional transformer, 15% of the bytes masked "
                          f"(d={cfg.d_model}, {cfg.num_layers} layers, context {cfg.seq_len})"),
-      steps=steps, warmup=max(1, steps // 20), lrs=(3e-3, 1e-2, 3e-2), batch_per_device=4,
+      steps=steps, warmup=max(1, steps // 20), lrs=(1e-3, 3e-3, 1e-2), batch_per_device=4,
       weight_decay=0.1, clip=1.0, init_params=lambda key: lm.init_params(key, cfg),
       loss_sums=lambda params, b: lm.masked_loss_sums(params, *b, cfg),
       train_batch=batch, val_set=val_set)
@@ -156,14 +157,15 @@ def _digits_task(steps: int) -> Task:
       name="digits", title=(f"digits MLP: 64-{'-'.join(map(str, DIGITS_HIDDEN))}-10 ReLU on "
                             f"scikit-learn's 8x8 digits ({len(y_train)} train / {len(y_val)} "
                             "held out)"),
-      steps=steps, warmup=max(1, steps // 20), lrs=(1e-3, 3e-3, 1e-2), batch_per_device=8,
-      weight_decay=0.1, init_params=lambda key: _mlp_init(key, sizes), loss_sums=loss_sums,
+      steps=steps, warmup=max(1, steps // 20), lrs=(3e-3, 1e-2, 3e-2), batch_per_device=8,
+      weight_decay=0.1, seeds=8, init_params=lambda key: _mlp_init(key, sizes),
+      loss_sums=loss_sums,
       train_batch=batch, val_set=val_set)
 
 
 # ----------------------------------------------------------------------------
 
-FULL_STEPS = dict(gpt=300, mlm=300, digits=300)
+FULL_STEPS = dict(gpt=300, mlm=600, digits=300)
 QUICK_STEPS = dict(gpt=60, mlm=60, digits=100)
 _BUILDERS = dict(gpt=_gpt_task, mlm=_mlm_task, digits=_digits_task)
 
