@@ -19,7 +19,7 @@ import onebit_optax
 # as a function of W (the default is ceil(W / 3)) and fixed values.
 REPLAY_INTERVALS = (("ceil(W/5)", lambda w: -(-w // 5)), ("ceil(W/3)", lambda w: -(-w // 3)),
                     ("ceil(W/2)", lambda w: -(-w // 2)), ("W", lambda w: w),
-                    ("50", lambda w: 50), ("1/(1-b2)", None))
+                    ("2W", lambda w: 2 * w), ("1/(1-b2)", None))
 REPLAY_THRESHOLDS = (0.90, 0.96, 0.98)
 PARITY = 0.005  # 1-bit Adam's mean final validation loss within +0.5% of AdamW's.
 MIN_REDUCTION = 5.0  # and at least 5x less communication over the run.
@@ -260,6 +260,35 @@ def build_markdown(results, meta) -> str:
   return "\n".join(lines)
 
 
+def build_freeze_markdown(results, meta) -> str:
+  """The freeze study alone (for the README's freeze section): costs of fixed steps, replay."""
+  lines = []
+  add = lines.append
+  add("# Freeze study: what freezing at step t costs, and where the rule fires\n")
+  add(f"From `{meta['command']}` (onebit_optax at {meta['git']}, {meta['machine']}, "
+      f"{meta['wall_s'] / 60:.1f} min; full tables in `convergence.md`). Each task at "
+      "AdamW's best learning rate; 1-bit Adam with `fixed_step_freeze(t)` and with the default "
+      "rule; final validation loss against AdamW's, mean ± std over seeds and the same-seed "
+      "(paired) difference.\n")
+  add("| task | variance frozen after step | val | vs AdamW | same seed | comm. reduction |")
+  add("|---|---|---|---|---|---|")
+  for task in results:
+    s = summarize(task)
+    a, base = s["adamw"][s["best"]], task["adamw"][s["best"]]
+    for t, f in s["fixed"].items():
+      add(f"| {task['name']} | {t} ({t / task['steps']:.0%}) | {_fmt(f)} | "
+          f"{_rel(f['mean'], a['mean'])} | {_paired(task['fixed'][t], base)} | "
+          f"{s['base_bytes'] / f['bytes']:.2f}x |")
+    o = s["onebit"][s["best"]]
+    add(f"| {task['name']} | **default rule: {_fired(o['freeze'], task['steps'])}** | "
+        f"{_fmt(o)} | {_rel(o['mean'], a['mean'])} | "
+        f"{_paired(task['onebit'][s['best']], base)} | {s['base_bytes'] / o['bytes']:.2f}x |")
+    add(f"| {task['name']} | AdamW (lr {s['best']:g}) | {_fmt(a)} | — | — | 1.00x |")
+  add("")
+  _replay_section(add, results, heading="##")
+  return "\n".join(lines)
+
+
 def _task_section(add, task):
   s = summarize(task)
   a = s["adamw"][s["best"]]
@@ -305,8 +334,8 @@ def _task_section(add, task):
   add("")
 
 
-def _replay_section(add, results):
-  add("## Where the variance-ratio rule fires\n")
+def _replay_section(add, results, heading="##"):
+  add(f"{heading} Where the variance-ratio rule fires\n")
   add("Replayed offline on AdamW's bias-corrected `||v_hat_t||_1` at its best lr (1-bit Adam's "
       "warmup is Adam on the mean gradient: the same trajectory), with the library's rule: a "
       "check every Δ steps, ρ = ||v_hat_t||_1 / ||v_hat_{t-Δ}||_1 against the previous check, "
@@ -409,12 +438,36 @@ def _clean(x):
 
 
 def write(stem: str, results, meta) -> str:
-  """Writes ``stem``.md/.json/.png; returns the markdown."""
+  """Writes ``stem``.md, ``stem``_freeze.md and ``stem``.png; returns the markdown."""
   os.makedirs(os.path.dirname(stem), exist_ok=True)
   md = build_markdown(results, meta)
   with open(stem + ".md", "w") as f:
     f.write(md + f"\n\n![curves]({os.path.basename(stem)}.png)\n")
+  with open(stem + "_freeze.md", "w") as f:
+    f.write(build_freeze_markdown(results, meta) + "\n")
   plot(stem + ".png", results)
+  return md
+
+
+def write_json(stem: str, results, meta):
   with open(stem + ".json", "w") as f:
     json.dump(_clean(dict(meta=meta, tasks=results)), f)
-  return md
+
+
+def load_json(path: str):
+  """``(results, meta)`` from a convergence.json, with the numeric keys restored."""
+  with open(path) as f:
+    data = json.load(f)
+  for task in data["tasks"]:
+    for key in ("adamw", "onebit"):
+      task[key] = {float(lr): recs for lr, recs in task[key].items()}
+    task["fixed"] = {int(t): recs for t, recs in task["fixed"].items()}
+    for recs in list(task["adamw"].values()) + list(task["onebit"].values()) + list(
+        task["fixed"].values()) + [[r] for r in task["references"].values()]:
+      for r in recs:
+        for k in ("final_val", "ratio", "nu_l1", "val", "loss"):
+          if k in r and isinstance(r[k], list):
+            r[k] = [float("nan") if x is None else x for x in r[k]]
+          elif k in r and r[k] is None:
+            r[k] = float("nan")
+  return data["tasks"], data["meta"]

@@ -30,8 +30,10 @@ decay to 10%), b1 = 0.9, b2 = 0.999 (optax's defaults), decoupled weight decay
 all-reduce (``allreduce_wire_bytes``).
 
 Outputs (``--out``, default benchmarks/results): convergence.md (tables),
-convergence.json (every run's curves), convergence.png; ``--quick`` writes
-``convergence_quick.*``. ``python benchmarks/update_readme.py`` copies the
+convergence_freeze.md (the freeze study alone), convergence.json (every run's
+curves), convergence.png; ``--quick`` writes ``convergence_quick*``.
+``--from-json benchmarks/results/convergence.json`` re-renders the tables and
+the plot without training. ``python benchmarks/update_readme.py`` copies the
 tables into the README. Only the public API of onebit_optax is used.
 """
 
@@ -110,9 +112,15 @@ def main(argv=None):
   parser.add_argument("--tasks", default=None, help="comma-separated subset (gpt,mlm,digits).")
   parser.add_argument("--seeds", type=int, default=None,
                       help="seeds per configuration (default: the task's, 3 or more).")
+  parser.add_argument("--from-json", default=None,
+                      help="only re-render the tables and the plot from a convergence.json.")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                     "results"))
   args = parser.parse_args(argv)
+  if args.from_json:
+    results, meta = _conv_report.load_json(args.from_json)
+    _conv_report.write(os.path.splitext(args.from_json)[0], results, meta)
+    return
   command = "python benchmarks/convergence.py" + " ".join([""] + (argv or sys.argv[1:]))
   n = len(jax.devices())
   assert n == 8, f"expected 8 simulated devices, got {n}: import jax only after XLA_FLAGS is set"
@@ -137,6 +145,7 @@ def main(argv=None):
                             extensions=0 if args.quick else MAX_EXTENSIONS))
   meta = _conv_report.finish_meta(meta, wall0)
   stem = os.path.join(args.out, "convergence_quick" if args.quick else "convergence")
+  _conv_report.write_json(stem, results, meta)
   md = _conv_report.write(stem, results, meta)
   print()
   print(md)
