@@ -173,8 +173,11 @@ def _updates(step: "_Step", state, count, hp: _Hyper, layout, grads, treedef):
   bc2 = _bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
   mu = layout.unflatten(step.mu.astype(jnp.float32), treedef)
   nu = layout.unflatten(step.nu.astype(jnp.float32), treedef)
-  out = [_leaf_update(m, v, state.frozen, bc1, bc2, step.finite, hp).astype(jnp.result_type(g))
-         for m, v, g in zip(jax.tree.leaves(mu), jax.tree.leaves(nu), grads)]
+  # A zero-size leaf gets its (empty) update without any operation on it: XLA
+  # 0.11 crashed compiling zero-size reductions next to collectives.
+  out = [jnp.zeros(jnp.shape(g), jnp.result_type(g)) if size == 0 else
+         _leaf_update(m, v, state.frozen, bc1, bc2, step.finite, hp).astype(jnp.result_type(g))
+         for m, v, g, size in zip(jax.tree.leaves(mu), jax.tree.leaves(nu), grads, layout.sizes)]
   return jax.tree.unflatten(treedef, out)
 
 
@@ -443,12 +446,15 @@ def scale_by_onebit_adam(
     layout = _check_update(updates, state, axis_name)
     count_inc = numerics.safe_increment(state.count)
     grads, treedef = jax.tree.flatten(updates)
+    # Zero-size leaves stay out of the cond (their slots are skipped by the
+    # layout): XLA 0.11 crashed compiling zero-size operands of a conditional.
+    operands = [g if size else jnp.zeros([]) for g, size in zip(grads, layout.sizes)]
     # The phase switch. `frozen` is computed from replicated values only, so all
     # devices agree on the branch; only the taken branch's collectives run.
     step = jax.lax.cond(
         state.frozen,
         lambda g: _compression(g, state, count_inc, hp, layout),
-        lambda g: _warmup(g, state, count_inc, hp, layout), grads)
+        lambda g: _warmup(g, state, count_inc, hp, layout), operands)
     pick = lambda new, old: jnp.where(step.finite, new, old)
     new_state = ScaleByOnebitAdamState(
         count=pick(count_inc, state.count),

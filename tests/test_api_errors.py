@@ -290,6 +290,12 @@ def test_size_not_divisible_by_8n_is_padded(mesh):
   _check_training(params, targets, history, state)
 
 
+@pytest.mark.skipif(
+    jax.__version__.startswith("0.11."), reason=(
+        "jax 0.11's XLA:CPU segfaults compiling this shard_map step with or without "
+        "onebit_optax: jax.grad inside shard_map w.r.t. replicated params that include a "
+        "(0, 3) leaf is enough (measured on 0.11.2; 0.10.2 and 0.12.0.1 pass). A segfault "
+        "would end the whole test run."))
 def test_zero_size_and_scalar_leaves_next_to_normal_ones(mesh):
   params = {"empty": jnp.zeros((0, 3)), "scalar": jnp.zeros(()), "w": jnp.zeros((5, 2))}
   rng = np.random.default_rng(1)
