@@ -2,7 +2,7 @@
 
 The default is ``variance_ratio_freeze(min_steps=W)`` with b2 = 0.999 (optax's):
 threshold 0.96 and, documented in ``default_interval``, a check every
-Δ = min(ceil(W / 3), round(1 / (1 - b2))) steps. The reference below recomputes
+Δ = min(ceil(W / 4), round(1 / (1 - b2))) steps. The reference below recomputes
 the bias-corrected second moment in numpy and applies the documented rule; it
 shares no code with the library.
 """
@@ -24,7 +24,7 @@ DIM = 512
 
 def documented_default_interval(min_steps, b2):
   window = round(1 / (1 - b2))
-  return window if min_steps == 0 else min(math.ceil(min_steps / 3), window)
+  return window if min_steps == 0 else min(math.ceil(min_steps / 4), window)
 
 
 def reference_freeze_step(grads, b2, interval, threshold, min_steps):
@@ -76,7 +76,7 @@ def test_default_fires_soon_after_the_warmup_when_the_variance_is_stationary():
 @pytest.mark.parametrize("growth", [1.02, 1 / 1.02])
 def test_default_does_not_fire_while_the_variance_moves(growth):
   # The gradient's scale changes 2% per step (its square ~4%): over one interval
-  # of 10 steps the mean square moves by far more than the 4% band allows.
+  # of 8 steps the mean square moves by far more than the 4% band allows.
   grads = synthetic_grads(growth)
   interval = documented_default_interval(WARMUP, B2)
   assert reference_freeze_step(grads, B2, interval, 0.96, WARMUP) is None
