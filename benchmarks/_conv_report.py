@@ -16,8 +16,9 @@ import optax
 import onebit_optax
 
 # The replay grid of the variance-ratio rule (min_steps = W, the LR warmup): Δ
-# as a function of W (the default is ceil(W / 3)) and fixed values.
-REPLAY_INTERVALS = (("ceil(W/5)", lambda w: -(-w // 5)), ("ceil(W/3)", lambda w: -(-w // 3)),
+# as a function of W (the default is ceil(W / 4)) and fixed values.
+REPLAY_INTERVALS = (("ceil(W/5)", lambda w: -(-w // 5)), ("ceil(W/4)", lambda w: -(-w // 4)),
+                    ("ceil(W/3)", lambda w: -(-w // 3)),
                     ("ceil(W/2)", lambda w: -(-w // 2)), ("W", lambda w: w),
                     ("2W", lambda w: 2 * w), ("1/(1-b2)", None))
 REPLAY_THRESHOLDS = (0.90, 0.96, 0.98)
@@ -341,7 +342,7 @@ def _replay_section(add, results, heading="##"):
       "check every Δ steps, ρ = ||v_hat_t||_1 / ||v_hat_{t-Δ}||_1 against the previous check, "
       "first possible at t = 2Δ, fires at the first check with t >= min_steps (= the LR "
       "warmup W) and τ <= ρ <= 1/τ. Cells: freeze step, median [min–max] over seeds "
-      "(% of the run). The default is Δ = ceil(W/3), τ = 0.96; the seed's criterion is "
+      "(% of the run). The default is Δ = ceil(W/4), τ = 0.96; the seed's criterion is "
       "Δ = 1/(1-b2) = 1000 (b2 = 0.999), τ = 0.96. Read it with the freeze-step studies "
       "above (what freezing at a given step costs).\n")
   checks = []
