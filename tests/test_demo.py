@@ -82,7 +82,8 @@ def test_bytes_match_the_ring_and_two_phase_formulas(demo_output):
   # the packed signs plus one float32 scale per leaf piece of a chunk (tests/_flat).
   onebit_warmup = _flat.allreduce_bytes(sizes, n)
   onebit = _flat.compressed_bytes(sizes, n)  # all_to_all + all_gather of packed signs
-  assert onebit_warmup <= 1.001 * allreduce  # the padding costs almost nothing here
+  # The padding costs little here (0.1% with the Python 3.11 corpus, 0.5% with 3.12's).
+  assert onebit_warmup <= 1.01 * allreduce
 
   full_adam, full_onebit = (
       _bytes(c) for c in _row(demo_output, "bytes/device/step, full precision"))
