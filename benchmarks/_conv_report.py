@@ -15,6 +15,8 @@ import optax
 
 import onebit_optax
 
+from _conv_runner import PERIODIC_VAL as PERIODIC
+
 # The replay grid of the variance-ratio rule (min_steps = W, the LR warmup): Δ
 # as a function of W (the default is ceil(W / 4)) and fixed values.
 REPLAY_INTERVALS = (("ceil(W/5)", lambda w: -(-w // 5)), ("ceil(W/4)", lambda w: -(-w // 4)),
@@ -396,10 +398,10 @@ def plot(path, results):
     for kind, color in (("naive", "tab:red"), ("no_feedback", "tab:orange")):
       rec = task["references"][kind]
       a.plot(rec["eval_steps"], rec["val"], color=color, lw=1, ls="--", label=kind)
-    finals = [s["adamw"][best]["mean"], s["onebit"][best]["mean"]]
-    a.set_ylim(min(finals) - 0.1, max(finals) + 1.0)
-    a.set(title=f"{task['name']}: validation loss (mean over seeds)", xlabel="step",
-          ylabel="nats")
+    ends = [mean_curve(task[k][best])[1][-1] for k in ("adamw", "onebit")]
+    a.set_ylim(min(ends) - 0.1 * min(ends), max(ends) + 0.5 * max(ends))
+    a.set(title=f"{task['name']}: validation loss on {PERIODIC} held-out examples "
+          "(mean over seeds)", xlabel="step", ylabel="nats")
     a.legend(fontsize=7)
     a = row[1]
     for name, color in (("adamw", "k"), ("onebit", "tab:blue")):

@@ -127,7 +127,7 @@ def parse_args(argv):
                  help="fixed freeze step; default: the variance-ratio policy")
   p.add_argument("--freeze-threshold", type=float, default=0.96)
   p.add_argument("--freeze-interval", type=int, default=None,
-                 help="ratio interval in steps (default 1/(1-b2))")
+                 help="ratio interval in steps (default min(ceil(warmup/4), 1/(1-b2)))")
   p.add_argument("--mask-rate", type=float, default=0.15)
   p.add_argument("--d-model", type=int, default=64)
   p.add_argument("--layers", type=int, default=2)
