@@ -28,7 +28,6 @@ class Tables(NamedTuple):
   block_valid: np.ndarray  # (blocks,) int32: how many of the block's elements are real.
   wire_segment: np.ndarray  # (blocks,) int32: chunk * max_segments + segment within the chunk.
   segment_count: np.ndarray  # (num_devices * max_segments,) float32: real elements per segment.
-  leaf_size: np.ndarray  # (num_leaves + 1,) float32: elements per leaf (1 for the padding).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +112,7 @@ class FlatLayout:
     wire_segment = (chunk_of_block * max_segments + local).astype(np.int32)
     segment_count = np.zeros(n * max_segments, np.float32)
     np.add.at(segment_count, wire_segment, block_valid.astype(np.float32))
-    leaf_size = np.array(list(self.sizes) + [1], np.float32)
-    return Tables(leaf_of_block, block_valid, wire_segment, segment_count,
-                  np.maximum(leaf_size, 1.0))
+    return Tables(leaf_of_block, block_valid, wire_segment, segment_count)
 
   @property
   def max_segments(self) -> int:
@@ -174,14 +171,6 @@ class FlatLayout:
       else:
         out.append(flat[offset:offset + size].reshape(shape).astype(dtype))
     return jax.tree.unflatten(treedef, out)
-
-  def relayout(self, flat: jax.Array, other: "FlatLayout") -> jax.Array:
-    """``flat`` (laid out by ``self``) laid out by ``other`` (same leaves, other device count)."""
-    if self.shapes != other.shapes or self.block != other.block:
-      raise ValueError("relayout needs the same leaves and block size.")
-    kept = flat[..., :other.used]
-    pad = other.padded - other.used
-    return jnp.pad(kept, [(0, 0)] * (kept.ndim - 1) + [(0, pad)]) if pad else kept
 
 
 @functools.lru_cache(maxsize=64)
