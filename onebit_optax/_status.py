@@ -118,13 +118,14 @@ def _policy_and_b2(opt_state, freeze, b2, stacked):
 
 
 def _interval(policy, b2) -> int:
-  return int(_freeze.default_interval(b2)) if policy.interval is None else int(policy.interval)
+  return int(_freeze.policy_interval(policy, b2))
 
 
 def _describe(policy, interval, b2) -> str:
   if isinstance(policy, _freeze.FixedStepFreeze):
     return f"fixed_step_freeze({int(policy.step)})"
-  delta = f"{interval}" + (f" = 1/(1-b2), b2 = {b2:g}" if policy.interval is None else "")
+  delta = f"{interval}" + (f" (the default for min_steps and b2 = {b2:g})"
+                           if policy.interval is None else "")
   bound = f", max_steps={policy.max_steps}" if policy.max_steps is not None else ""
   return (f"variance_ratio_freeze(threshold={policy.threshold:g}, interval Δ = {delta}, "
           f"min_steps={policy.min_steps}{bound})")
