@@ -34,7 +34,6 @@ from pathlib import Path  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402

@@ -28,7 +28,6 @@ import argparse
 import functools
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
