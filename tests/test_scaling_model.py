@@ -1,0 +1,63 @@
+"""benchmarks/scaling_model.py: its formulas are the package's byte functions, and its check
+against the measured 4-rank runs is computed from the JSON files in benchmarks/results."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+import onebit_optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import scaling_model as sm  # noqa: E402
+
+# Bandwidth terms alone: 1 byte/s on the NIC, no latency, an infinitely fast local link.
+BYTES = sm.Net(alpha=0.0, nic=1.0, g=8, alpha_l=0.0, local=math.inf)
+
+
+@pytest.mark.parametrize("n", [16, 64, 1024])
+def test_bytes_are_the_package_formulas(n):
+  d, s = sm.padded(340_000_000, n), 7
+  assert d % (128 * n) == 0 and d >= 340_000_000
+  flat = 8 * onebit_optax.compressed_wire_bytes(d, n, s) * (n - 8) / (n - 1)
+  assert sm.flat_comm(d, n, s, BYTES) == pytest.approx(flat)
+  hier = 8 * onebit_optax.compressed_wire_bytes(d // 8, n // 8, s)
+  assert sm.hier_comm(d, n, s, BYTES) == pytest.approx(hier)
+  hier_ring = 8 * onebit_optax.allreduce_wire_bytes(d // 8, n // 8)
+  assert sm.adam_comm(d, n, BYTES) == pytest.approx(
+      min(hier_ring, onebit_optax.allreduce_wire_bytes(d, n)))
+  one_per_node = sm.Net(alpha=1e-5, nic=1e9, g=1)
+  assert sm.adam_comm(d, n, one_per_node) == pytest.approx(
+      2 * (n - 1) * 1e-5 + onebit_optax.allreduce_wire_bytes(d, n) / 1e9)
+
+
+def test_layout_of_the_measured_run_inverts_the_byte_functions():
+  run = sm.load_json("comm_throughput_rates.json")["runs"][0]
+  d, s = sm.run_layout(run)
+  assert d % (128 * run["num_ranks"]) == 0 and d >= run["num_params"]
+  wire = run["summary"]["onebit_compression"]["state_wire_bytes"]
+  assert onebit_optax.compressed_wire_bytes(d, run["num_ranks"], s) == wire
+
+
+def test_prediction_of_the_measured_runs():
+  """Link-bound rows (100 Mbit/s, 1 Gbit/s) of the rates run: step time and throughput ratio
+  within 15% (measured: -13% at worst). Not asserted: the 10 Gbit/s rows, where the CPU testbed's
+  Adam is host-bound (-62%), and the noisier 1-bit row of the --profile run (-32%)."""
+  docs = {n: sm.load_json(n) for n in ("comm_throughput.json", "comm_throughput_rates.json")}
+  f, _ = sm.server_fraction(docs["comm_throughput.json"])
+  rows = sm.validate(docs, f)
+  assert len(rows) == 3 * sum(len(d["runs"]) for d in docs.values() if d)
+  assert all(math.isfinite(r["pred"]) and r["pred"] > 0 for r in rows)
+  checked = [r for r in rows if r["file"] == "comm_throughput_rates.json"
+             and r["rate"] in ("100mbit", "1gbit") and r["mode"] != "onebit_warmup"]
+  assert len(checked) == 4
+  for r in checked:
+    assert abs(r["pred"] / r["meas"] - 1) < 0.15, r
+    assert abs(r["ratio_pred"] / r["ratio_meas"] - 1) < 0.15, r
+
+
+def test_query_prints_one_line(capsys):
+  sm.main(["--params", "340e6", "--gbit", "25", "--ranks", "64"])
+  out = capsys.readouterr().out.strip().splitlines()
+  assert len(out) == 1 and "64 ranks (8 nodes x 8)" in out[0] and "1-bit Adam" in out[0]
