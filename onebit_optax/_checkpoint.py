@@ -98,8 +98,9 @@ def _layout(opt_state) -> dict:
   size = int(np.prod(np.shape(state.mu)))
   worker, server = np.shape(state.worker_error), np.shape(state.server_error)
   n = worker[0] if len(worker) == 2 else 0
+  # worker_error covers the whole buffer, or a 1/L slice under hierarchical averaging.
   if (np.ndim(state.count) != 0 or len(worker) != 2 or n < 1 or np.ndim(state.mu) != 1
-      or worker[1] != size or server != (n, worker[1] // n)):
+      or worker[1] < 1 or size % worker[1] or server != (n, size // n)):
     raise ValueError(
         "The 1-bit Adam state does not have the layout of onebit_optax.init_sharded "
         f"(global error buffers (devices, padded)): count has shape {np.shape(state.count)}, "
@@ -377,11 +378,10 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
     saved_errors = {p: (tuple(s), d) for p, s, d in metadata["opt_state"] if p in error_paths}
     new_errors = {p: (tuple(s), d) for p, s, d in _signature(target) if p in error_paths}
     new_layout = _layout(target)
-    same_devices = metadata["num_devices"] == new_layout["num_devices"]
-    if same_devices and saved_errors != new_errors:
-      raise ValueError(  # unreachable when the parameters match; kept as a guard.
-          f"restore_checkpoint: {where} has error buffers {saved_errors}, but "
-          f"{new_layout['num_devices']} devices need {new_errors}.")
+    # The same device count with other error shapes is another mesh layout (e.g.
+    # flat vs hierarchical averaging): the residuals do not carry over either.
+    same_devices = (metadata["num_devices"] == new_layout["num_devices"]
+                    and saved_errors == new_errors)
 
     # The error buffers are per device: on another device count they are not read
     # at all (an Orbax placeholder), since Orbax would happily reshard them.
@@ -422,7 +422,7 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
       warnings.warn(
           f"onebit_optax.restore_checkpoint: {where} was saved on "
           f"{metadata['num_devices']} devices and is restored onto "
-          f"{new_layout['num_devices']}. 1-bit Adam's error-feedback buffers "
+          f"{new_layout['num_devices']} (or another mesh layout). 1-bit Adam's error-feedback buffers "
           "(worker_error, server_error) hold one compression residual per device and "
           "per chunk of the flat buffer, which has no meaning on another device count, "
           "so they were reset to zero (new shapes "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Hashable, Optional
+from typing import Hashable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +18,32 @@ __all__ = [
     "full_precision_mean",
     "allreduce_wire_bytes",
     "compressed_wire_bytes",
+    "error_sizes",
+    "split_axes",
+    "step_wire_bytes",
 ]
 
-AxisName = Optional[Hashable]
+AxisName = Optional[Union[Hashable, tuple]]
 _SCALE_BYTES = 4  # each segment's float32 scale rides along with the packed signs.
+
+
+def split_axes(axis_name: AxisName) -> tuple:
+  """``(slow, fast)``: ``('node', 'local')`` is hierarchical, a single name (or None) is flat.
+
+  A pair names the slow axis (between nodes: compressed to 1 bit) first and the
+  fast axis (inside a node: full precision) second; a flat axis has no fast
+  axis (None).
+  """
+  if not isinstance(axis_name, tuple):
+    return axis_name, None
+  if len(axis_name) == 1:
+    return axis_name[0], None
+  if len(axis_name) != 2 or None in axis_name or axis_name[0] == axis_name[1]:
+    raise ValueError(
+        f"axis_name={axis_name!r}: give one data-parallel mesh axis (e.g. 'data'), or a "
+        "pair of two different axes (slow, fast), e.g. ('node', 'local'): the mean over "
+        "'local' is taken in full precision, the one over 'node' in 1 bit.")
+  return axis_name
 
 
 def axis_size(axis_name: AxisName, *, caller: str = "onebit_optax") -> int:
@@ -32,6 +54,8 @@ def axis_size(axis_name: AxisName, *, caller: str = "onebit_optax") -> int:
   """
   if axis_name is None:
     return 1
+  if isinstance(axis_name, tuple):
+    split_axes(axis_name)  # refuses a malformed tuple with a message
   try:
     return int(jax.lax.axis_size(axis_name))
   except NameError as e:
@@ -55,19 +79,35 @@ def _varying_axes(x) -> frozenset:
 
 def vary(x, axis_name: AxisName):
   """Marks ``x`` as differing across devices (the type of per-device buffers under check_vma)."""
-  if axis_name is None or axis_name in _varying_axes(x):
+  if axis_name is None:
+    return x
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  missing = tuple(name for name in names if name not in _varying_axes(x))
+  if not missing:
     return x
   try:
-    return jax.lax.pcast(x, axis_name, to="varying")
+    return jax.lax.pcast(x, missing, to="varying")
   except ValueError:  # outside a check_vma shard_map, there is no type to change
     return x
 
 
 def full_precision_mean(x: jax.Array, axis_name: AxisName) -> jax.Array:
-  """Mean of ``x`` over ``axis_name`` in full precision (an all-reduce)."""
+  """Mean of ``x`` over ``axis_name`` in full precision (an all-reduce).
+
+  For a pair ``(slow, fast)``, a vector is reduce-scattered over the fast axis,
+  each slice averaged over the slow axis and the slices all-gathered over the
+  fast axis: the slow links carry ``1/fast_size`` of the vector per device.
+  """
   if axis_name is None:
     return x
-  return jax.lax.pmean(x, axis_name)
+  slow, fast = split_axes(axis_name)
+  if fast is None:
+    return jax.lax.pmean(x, slow)
+  n_fast = axis_size(fast)
+  if jnp.ndim(x) != 1 or x.shape[0] % n_fast:
+    return jax.lax.pmean(x, (slow, fast))
+  part = jax.lax.psum_scatter(x, fast, scatter_dimension=0, tiled=True) / n_fast
+  return jax.lax.all_gather(jax.lax.pmean(part, slow), fast, tiled=True, to="invarying")
 
 
 def allreduce_wire_bytes(size: int, num_devices: int, itemsize: int = 4) -> float:
@@ -134,6 +174,23 @@ def compressed_wire_bytes(padded: int, num_devices: int, max_segments: int = 1) 
   """
   n = num_devices
   return 2.0 * (n - 1) * (padded / (8 * n) + _SCALE_BYTES * max_segments)
+
+
+def step_wire_bytes(layout: _layout.FlatLayout, axis_name: AxisName, *,
+                    compressed: bool) -> float:
+  """Bytes one device sends over the slow (or only) axis in one optimizer step.
+
+  Flat: the all-reduce (:func:`allreduce_wire_bytes`) or the compressed mean
+  (:func:`compressed_wire_bytes`) of the padded buffer. Hierarchical
+  ``(slow, fast)``: the same over the slow axis for the device's
+  ``1/fast_size`` slice; the fast axis's traffic is not counted (it is what the
+  fast links are for).
+  """
+  slow, fast = split_axes(axis_name)
+  n_slow, n_fast = axis_size(slow), axis_size(fast)
+  if compressed:
+    return compressed_wire_bytes(layout.padded // n_fast, n_slow, layout.max_segments)
+  return allreduce_wire_bytes(layout.padded // n_fast, n_slow)
 
 
 def _axis_index(axis_name: AxisName):
@@ -208,16 +265,28 @@ def compressed_mean(
   communication: the result is the 1-bit compression of ``x`` with both error
   feedback stages, as a single-worker cluster would compute it.
 
+  **Hierarchical** (``axis_name=(slow, fast)``, e.g. ``('node', 'local')``
+  with :math:`N` nodes of :math:`L` devices): ``x`` is first reduce-scattered
+  over the fast axis in float32, so the device with fast index :math:`l` holds
+  its node's mean of the slice made of chunks :math:`lN, \dots, lN + N - 1`
+  (of :math:`NL` chunks). The two phases above then run over the slow axis only,
+  on that slice (device :math:`(k, l)` serves chunk :math:`lN + k`), and the
+  packed server messages are all-gathered over the slow axis and then over the
+  fast one. The slow links carry :math:`2(N-1)(d/(8NL) + 4S)` bytes per device,
+  all uint8; ``worker_error`` has :math:`d/L` elements (see :func:`error_sizes`).
+
   Args:
     x: float32 vector of ``d`` elements on each device: a flat buffer laid out by
       ``layout``; without a layout, any vector whose length is a multiple of
       ``8 n`` (pad with zeros to :func:`padded_size`), compressed as one segment
       per chunk.
-    worker_error: float32 vector shaped like ``x``: this device's compression
-      error from the previous call (zeros at first).
+    worker_error: float32 vector shaped like ``x`` (hierarchical: ``d / L``
+      elements): this device's compression error from the previous call (zeros
+      at first).
     server_error: float32 vector of ``d / n`` elements: the error this device
       made as server of its chunk in the previous call (zeros at first).
-    axis_name: the data-parallel mesh axis, or None.
+    axis_name: the data-parallel mesh axis, a pair ``(slow, fast)`` of axes for
+      hierarchical averaging, or None.
     layout: where the leaves (segments) are; built by the optimizer.
 
   Returns:
@@ -254,7 +323,7 @@ def _vector_layout(d: int, n: int) -> _layout.FlatLayout:
   return _layout.cached_layout(((d,),), n, math.gcd(d // n, _layout.BLOCK))
 
 
-def _check_inputs(x, worker_error, server_error, layout, n):
+def _check_inputs(x, worker_error, server_error, layout, n, n_fast):
   x = jnp.asarray(x)
   if x.ndim != 1 or x.dtype != jnp.float32:
     raise ValueError(
@@ -266,78 +335,130 @@ def _check_inputs(x, worker_error, server_error, layout, n):
     raise ValueError(
         f"compressed_mean: the layout is for {layout.padded} elements on "
         f"{layout.num_devices} devices, got {x.shape[0]} elements on {n} devices.")
-  d, chunk = layout.padded, layout.chunk
-  if worker_error.shape != (d,) or server_error.shape != (chunk,):
+  worker, server = error_sizes(layout, n_fast)
+  if worker_error.shape != (worker,) or server_error.shape != (server,):
     raise ValueError(
-        f"compressed_mean: for x of shape ({d},) on {n} devices, worker_error must "
-        f"have shape ({d},) and server_error ({chunk},); got {worker_error.shape} "
-        f"and {server_error.shape}.")
+        f"compressed_mean: for x of shape ({layout.padded},) on {n} devices "
+        f"({n_fast} on the fast axis), worker_error must have shape ({worker},) and "
+        f"server_error ({server},); got {worker_error.shape} and {server_error.shape}.")
   return x, layout
 
 
+def error_sizes(layout: _layout.FlatLayout, fast_size: int = 1) -> tuple[int, int]:
+  """Elements of the worker and server error vectors of one device.
+
+  The worker error covers what the device compresses: the whole padded buffer,
+  or its ``1/fast_size`` slice under hierarchical averaging; the server error
+  covers the one chunk the device serves.
+  """
+  return layout.padded // fast_size, layout.chunk
+
+
+class _Part(NamedTuple):
+  """The static tables restricted to the chunks one device compresses (its part)."""
+
+  segment: jax.Array  # (part_blocks,) int32: wire segment, numbered from the part's first chunk.
+  segment_count: jax.Array  # (slow * max_segments,) float32: real elements per segment.
+  block_valid: jax.Array  # (part_blocks,) int32: real elements per block.
+
+
+def _part(layout: _layout.FlatLayout, index, slow: int) -> _Part:
+  """Chunks ``[index * slow, (index + 1) * slow)`` of ``layout`` (``index`` may be traced)."""
+  tables, segments = layout.tables, layout.max_segments
+  blocks = slow * (layout.num_blocks // layout.num_devices)
+  first_segment = index * slow * segments
+  return _Part(
+      segment=_chunk_slice(tables.wire_segment, index, blocks) - first_segment,
+      segment_count=_chunk_slice(tables.segment_count, index, slow * segments),
+      block_valid=_chunk_slice(tables.block_valid, index, blocks))
+
+
+def _all_true(flag: jax.Array, axis_name: AxisName) -> jax.Array:
+  """``flag`` and-ed over ``axis_name`` (one scalar collective; none without an axis)."""
+  if axis_name is None:
+    return flag
+  return jax.lax.pmin(flag.astype(jnp.int32), axis_name) > 0
+
+
+def _gather(message: jax.Array, slow: AxisName, fast: AxisName) -> jax.Array:
+  """Every device's message, in chunk order ``fast_index * slow_size + slow_index``."""
+  if slow is None:
+    return message[None]
+  # 'invarying': every device holds the same bytes, and says so to the type
+  # system, so the mean (and the parameters) can leave shard_map replicated.
+  gathered = jax.lax.all_gather(message, slow, to="invarying")
+  if fast is not None:
+    gathered = jax.lax.all_gather(gathered, fast, to="invarying")
+  return gathered.reshape(-1, message.shape[0])
+
+
 def compressed_mean_and_check(x, worker_error, server_error, axis_name, *,
-                              layout=None, keep_errors_if_nonfinite: bool):
+                              layout=None, keep_errors_if_nonfinite: bool,
+                              agree_axis: AxisName = None):
   """:func:`compressed_mean`, plus whether the result is finite on every device.
 
   The flag is read off the gathered server scales: a NaN or Inf in any device's
   input makes its segment's scale non-finite, hence that server's average and
   scale, and every device sees the same gathered scales. So it is free, and
-  agreed across devices without another collective. With
-  ``keep_errors_if_nonfinite`` the old error buffers are returned when the flag
-  is False; the residuals are computed after the flag is known, so that choice
-  costs no extra pass over the buffers.
+  agreed across devices without another collective (``agree_axis``, e.g. a
+  model-parallel axis whose devices hold other parameters, adds one scalar
+  ``pmin``). With ``keep_errors_if_nonfinite`` the old error buffers are returned
+  when the flag is False; the residuals are computed after the flag is known,
+  so that choice costs no extra pass over the buffers.
   """
-  n = axis_size(axis_name, caller="compressed_mean")
-  x, layout = _check_inputs(x, worker_error, server_error, layout, n)
-  tables, block, segments = layout.tables, layout.block, layout.max_segments
-  chunk_bytes = layout.chunk // 8
-  valid = layout.valid()
+  slow, fast = split_axes(axis_name)
+  n_slow = axis_size(slow, caller="compressed_mean")
+  n_fast = axis_size(fast, caller="compressed_mean")
+  x, layout = _check_inputs(x, worker_error, server_error, layout, n_slow * n_fast, n_fast)
+  if fast is not None:
+    # Full precision over the fast axis first: a reduce-scatter leaves each
+    # device with its node's mean of one 1/n_fast slice, all it compresses.
+    x = jax.lax.psum_scatter(x, fast, scatter_dimension=0, tiled=True) / n_fast
+  part = _part(layout, _axis_index(fast), n_slow)
+  block, segments = layout.block, layout.max_segments
+  chunk_bytes, blocks_per_chunk = layout.chunk // 8, layout.num_blocks // layout.num_devices
 
-  # Phase 1: every device compresses its (error-compensated) vector, one scale per
-  # segment, and sends chunk r of the packed signs, with the chunk's scales, to device r.
-  u = jnp.where(valid, (x + worker_error).reshape(-1, block), 0.0)
-  scales = _compressor.segment_rms(u, tables.wire_segment, tables.segment_count)
+  # Phase 1: every device compresses its (error-compensated) part, one scale per
+  # segment, and sends chunk r of the packed signs, with the chunk's scales, to
+  # device r of the slow axis.
+  part_valid = layout.valid(part.block_valid)
+  u = jnp.where(part_valid, (x + worker_error).reshape(-1, block), 0.0)
+  scales = _compressor.segment_rms(u, part.segment, part.segment_count)
   packed = jnp.packbits(u.reshape(-1) >= 0, bitorder=_compressor._BITORDER)
-  rows = jnp.concatenate([packed.reshape(n, chunk_bytes),
-                          _scales_to_bytes(scales.reshape(n, segments))], 1)
-  if axis_name is not None:
-    rows = jax.lax.all_to_all(rows, axis_name, split_axis=0, concat_axis=0, tiled=True)
+  rows = jnp.concatenate([packed.reshape(n_slow, chunk_bytes),
+                          _scales_to_bytes(scales.reshape(n_slow, segments))], 1)
+  if slow is not None:
+    rows = jax.lax.all_to_all(rows, slow, split_axis=0, concat_axis=0, tiled=True)
 
-  # Row i is now device i's compressed version of our chunk r.
-  r = _axis_index(axis_name)
-  blocks_per_chunk = layout.num_blocks // n
-  local_segment = _chunk_slice(tables.wire_segment, r, blocks_per_chunk) - r * segments
-  chunk_valid = layout.valid(_chunk_slice(tables.block_valid, r, blocks_per_chunk))
+  # Row i is now slow-axis device i's compressed version of our chunk r.
+  r = _axis_index(slow)
+  local_segment = _chunk_slice(part.segment, r, blocks_per_chunk) - r * segments
+  chunk_valid = layout.valid(_chunk_slice(part.block_valid, r, blocks_per_chunk))
   worker_scales = _scales_from_bytes(rows[:, chunk_bytes:])[:, local_segment]
-  # An explicit sum over the n rows: XLA:CPU lowers jnp.mean(axis=0) of the
+  # An explicit sum over the rows: XLA:CPU lowers jnp.mean(axis=0) of the
   # decoded (n, ...) block to a slow strided reduction (~20x slower, measured in
   # benchmarks/optimizer_compute.py); the row sum fuses decode and accumulate.
   chunk_sum = _decode(rows[0, :chunk_bytes], worker_scales[0], block)
-  for i in range(1, n):
+  for i in range(1, n_slow):
     chunk_sum = chunk_sum + _decode(rows[i, :chunk_bytes], worker_scales[i], block)
 
   # Phase 2: as server of this chunk, re-compress the average with our own error
-  # feedback and share it with everyone.
-  w = jnp.where(chunk_valid, chunk_sum / n + server_error.reshape(-1, block), 0.0)
+  # feedback and share it with everyone (over the slow axis, then the fast one).
+  w = jnp.where(chunk_valid, chunk_sum / n_slow + server_error.reshape(-1, block), 0.0)
   server_scales = _compressor.segment_rms(
-      w, local_segment, _chunk_slice(tables.segment_count, r, segments))
+      w, local_segment, _chunk_slice(part.segment_count, r, segments))
   message = jnp.concatenate([
       jnp.packbits(w.reshape(-1) >= 0, bitorder=_compressor._BITORDER),
       _scales_to_bytes(server_scales)])
-  if axis_name is None:
-    gathered = message[None]
-  else:
-    # 'invarying': every device holds the same bytes, and says so to the type
-    # system, so the mean (and the parameters) can leave shard_map replicated.
-    gathered = jax.lax.all_gather(message, axis_name, to="invarying")
+  gathered = _gather(message, slow, fast)
+  tables, valid = layout.tables, layout.valid()
   gathered_scales = _scales_from_bytes(gathered[:, chunk_bytes:]).reshape(-1)
   mean = jnp.where(valid, _decode(gathered[:, :chunk_bytes].reshape(-1),
                                   gathered_scales[tables.wire_segment], block), 0.0)
-  finite = jnp.all(jnp.isfinite(gathered_scales))
-  new_worker_error = _compressor.sign_residual(u, scales[tables.wire_segment], valid)
-  new_server_error = _compressor.sign_residual(w, server_scales[local_segment], chunk_valid)
-  new_worker_error = new_worker_error.reshape(-1)
-  new_server_error = new_server_error.reshape(-1)
+  finite = _all_true(jnp.all(jnp.isfinite(gathered_scales)), agree_axis)
+  new_worker_error = _compressor.sign_residual(u, scales[part.segment], part_valid).reshape(-1)
+  new_server_error = _compressor.sign_residual(
+      w, server_scales[local_segment], chunk_valid).reshape(-1)
   if keep_errors_if_nonfinite:
     # A cond, not a select: the predicate is agreed across devices, and the
     # usual (finite) branch then costs no extra pass over the buffers.

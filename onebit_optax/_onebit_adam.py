@@ -67,8 +67,20 @@ class _Hyper(NamedTuple):
   variance_floor: Any
   max_update: Any
   policy: _freeze.FreezePolicy
-  axis_name: Optional[Hashable]
+  axis_name: Any
   skip_nonfinite: bool
+  model_axis: Any = None
+
+  @property
+  def device_axes(self):
+    """The axes over which the per-device error buffers differ."""
+    return _device_axes(self.axis_name, self.model_axis)
+
+
+def _device_axes(axis_name, model_axis):
+  names = [a for axes in (axis_name, model_axis) if axes is not None
+           for a in (axes if isinstance(axes, tuple) else (axes,))]
+  return tuple(names) if names else None
 
 
 class _Step(NamedTuple):
@@ -183,37 +195,41 @@ def _updates(step: "_Step", state, count, hp: _Hyper, layout, grads, treedef):
 
 def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
   """Adam's moments on the full-precision mean gradient (one float32 pmean of the flat buffer)."""
-  n = layout.num_devices
   # The worker error buffer is all zeros during warmup (padding included): the
   # gradients are written into it leaf by leaf (in place when the state is
   # donated, where a concatenate would cost a fresh buffer) and it is returned
-  # zeroed below.
+  # zeroed below. (Under hierarchical averaging it only holds a slice.)
   scratch = state.worker_error[0].astype(jnp.float32)
-  g = _collective.full_precision_mean(
-      layout.combine_into(scratch, grads, lambda g, _: g), hp.axis_name)
+  flat = (layout.combine_into(scratch, grads, lambda g, _: g)
+          if scratch.shape == (layout.padded,) else layout.flatten(grads))
+  g = _collective.full_precision_mean(flat, hp.axis_name)
   # Read off the replicated mean, which every device's gradient reaches: all
-  # devices agree on it without another collective.
-  finite = jnp.all(jnp.isfinite(g)) if hp.skip_nonfinite else jnp.bool_(True)
+  # devices agree on it without another collective (but a model-parallel axis).
+  finite = (_collective._all_true(jnp.all(jnp.isfinite(g)), hp.model_axis)
+            if hp.skip_nonfinite else jnp.bool_(True))
   mu32, nu32 = state.mu.astype(jnp.float32), state.nu.astype(jnp.float32)
   mu = jnp.where(finite, (1.0 - hp.b1) * g + hp.b1 * mu32, mu32)
   nu = jnp.where(finite, (1.0 - hp.b2) * jnp.square(g) + hp.b2 * nu32, nu32)
+  l1 = jnp.sum(nu)
+  if hp.model_axis is not None:  # the whole model's norm, so every shard freezes together
+    l1 = jax.lax.psum(l1, hp.model_axis)
   freeze_now, reference, ratio = _freeze.freeze_decision(
-      hp.policy, count, jnp.sum(nu) / _bias_correction(hp.b2, count), state.reference_l1,
+      hp.policy, count, l1 / _bias_correction(hp.b2, count), state.reference_l1,
       state.variance_ratio, hp.b2)
   freeze_now = freeze_now & finite
   return _Step(
       finite=finite, mu=mu, nu=nu,
       frozen=freeze_now, freeze_step=jnp.where(freeze_now, count, 0).astype(jnp.int32),
       variance_ratio=ratio, reference_l1=reference,
-      worker_error=_collective.vary(jnp.zeros_like(state.worker_error), hp.axis_name),
+      worker_error=_collective.vary(jnp.zeros_like(state.worker_error), hp.device_axes),
       server_error=state.server_error,
-      wire_bytes=jnp.float32(_collective.allreduce_wire_bytes(layout.padded, n)))
+      wire_bytes=jnp.float32(
+          _collective.step_wire_bytes(layout, hp.axis_name, compressed=False)))
 
 
 def _compression(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
   """The momentum, from local gradients, averaged by the 1-bit compressed mean; v frozen."""
   del count
-  n = layout.num_devices
   mu32 = state.mu.astype(jnp.float32)
   # One flat copy of the gradients (a dynamic_update_slice into the momentum's
   # own buffer that reads that buffer is ~100x slower on XLA:CPU).
@@ -221,7 +237,7 @@ def _compression(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout
   mean_mu, worker_error, server_error, finite = _collective.compressed_mean_and_check(
       local_mu, state.worker_error[0].astype(jnp.float32),
       state.server_error[0].astype(jnp.float32), hp.axis_name, layout=layout,
-      keep_errors_if_nonfinite=hp.skip_nonfinite)
+      keep_errors_if_nonfinite=hp.skip_nonfinite, agree_axis=hp.model_axis)
   if not hp.skip_nonfinite:
     finite = jnp.bool_(True)
   return _Step(
@@ -231,8 +247,8 @@ def _compression(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout
       reference_l1=state.reference_l1,
       worker_error=worker_error[None].astype(state.worker_error.dtype),
       server_error=server_error[None].astype(state.server_error.dtype),
-      wire_bytes=jnp.float32(_collective.compressed_wire_bytes(
-          layout.padded, n, layout.max_segments)))
+      wire_bytes=jnp.float32(
+          _collective.step_wire_bytes(layout, hp.axis_name, compressed=True)))
 
 
 def _short(sizes, limit: int = 8) -> str:
@@ -253,6 +269,8 @@ def _check_update(updates, state, axis_name):
   n = _collective.axis_size(axis_name, caller=caller)
   _guards.check_state_layout(state, axis_name, n, caller)
   layout = _layout.layout_for(updates, n)
+  fast = _collective.axis_size(_collective.split_axes(axis_name)[1], caller=caller)
+  worker, server = _collective.error_sizes(layout, fast)
   sizes = state.leaf_sizes
   if sizes.shape != (len(layout.sizes),) or (
       not isinstance(sizes, jax.core.Tracer) and tuple(np.asarray(sizes)) != layout.sizes):
@@ -262,20 +280,24 @@ def _check_update(updates, state, axis_name):
         f"sizes {_short(layout.sizes)}, the state was made for {sizes.shape[0]} leaves"
         + ("" if isinstance(sizes, jax.core.Tracer) else f" of sizes {_short(np.asarray(sizes))}")
         + ". Did the model change after init? Re-init the optimizer state.")
-  if (state.mu.shape != (layout.padded,) or state.worker_error.shape != (1, layout.padded)
-      or state.server_error.shape != (1, layout.chunk)):
+  if (state.mu.shape != (layout.padded,) or state.worker_error.shape != (1, worker)
+      or state.server_error.shape != (1, server)):
     raise ValueError(
         f"scale_by_onebit_adam.update: the state's buffers have shapes mu "
         f"{state.mu.shape}, worker_error {state.worker_error.shape} and server_error "
         f"{state.server_error.shape} per device, but these leaves on {n} devices need "
-        f"({layout.padded},), (1, {layout.padded}) and (1, {layout.chunk}): the state was "
+        f"({layout.padded},), (1, {worker}) and (1, {server}): the state was "
         "made for another device count: re-init it on this mesh, or restore it with "
         "onebit_optax.restore_checkpoint (which moves it to another device count). Under "
         "shard_map, shard it with onebit_optax.state_partition_specs(state, axis_name).")
-  if (axis_name is not None and axis_name in _collective._varying_axes(state.worker_error)
-      and any(axis_name not in _collective._varying_axes(g) for g in jax.tree.leaves(updates))):
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  replicated = [name for name in names if name is not None
+                and name in _collective._varying_axes(state.worker_error)
+                and any(name not in _collective._varying_axes(g)
+                        for g in jax.tree.leaves(updates))]
+  if replicated:
     raise ValueError(
-        f"scale_by_onebit_adam.update: the gradients are replicated over {axis_name!r}, "
+        f"scale_by_onebit_adam.update: the gradients are replicated over {replicated[0]!r}, "
         "i.e. already all-reduced. Inside shard_map, jax.grad with respect to replicated "
         "params sums the gradients across devices in the backward pass, which sends them "
         "in full precision and defeats the compression. Take the gradient with respect "
@@ -288,10 +310,11 @@ def scale_by_onebit_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     *,
-    axis_name: Optional[Hashable],
+    axis_name: Optional[Hashable | tuple],
     freeze: _freeze.FreezePolicy | int | None = None,
     variance_floor: float = 0.01,
     max_update: Optional[float] = None,
+    model_axis: Optional[Hashable | tuple] = None,
     moment_dtype: Any = None,
     error_dtype: Any = None,
     skip_nonfinite: bool = True,
@@ -374,7 +397,10 @@ def scale_by_onebit_adam(
     b1: decay rate of the first moment.
     b2: decay rate of the second moment.
     eps: added to the denominator.
-    axis_name: the data-parallel axis of ``shard_map``/``pmap``, or None.
+    axis_name: the data-parallel axis of ``shard_map``/``pmap``, or None; or a
+      pair ``(slow, fast)`` such as ``('node', 'local')`` for hierarchical
+      averaging: float32 over the fast axis (inside a node), 1 bit over the slow
+      one (see :func:`compressed_mean`).
     freeze: when to switch: :func:`variance_ratio_freeze` (default, with
       ``min_steps=0``) or :func:`fixed_step_freeze` (an int ``k`` means
       ``fixed_step_freeze(k)``).
@@ -383,6 +409,12 @@ def scale_by_onebit_adam(
     max_update: :math:`B`, the largest step of a coordinate after the freeze
       (before the learning rate); None means :func:`adam_update_bound`,
       ``float('inf')`` disables the clip.
+    model_axis: the mesh axis (or axes) over which the parameters are sharded
+      (tensor/model parallelism), or None. The optimizer works on each device's
+      local shards and communicates over ``axis_name`` only; the two decisions
+      that read the whole model (the variance norm of the freeze rule, and
+      whether a step is finite) are agreed over ``model_axis`` with one scalar
+      collective each, so all shards freeze and skip together.
     moment_dtype: storage dtype of ``mu`` and ``nu`` (None: float32). Under
       :func:`optax.inject_hyperparams`, give dtypes as strings (``'bfloat16'``):
       it would take a dtype class for a schedule.
@@ -415,7 +447,10 @@ def scale_by_onebit_adam(
   policy = _freeze.check_policy(_freeze.variance_ratio_freeze() if freeze is None else freeze)
   moment_dtype = _check_float_dtype("moment_dtype", moment_dtype)
   error_dtype = _check_float_dtype("error_dtype", error_dtype)
-  hp = _Hyper(b1, b2, eps, variance_floor, max_update, policy, axis_name, skip_nonfinite)
+  _collective.split_axes(axis_name)  # refuses a malformed tuple now, not at the first step
+  hp = _Hyper(b1, b2, eps, variance_floor, max_update, policy, axis_name, skip_nonfinite,
+              model_axis)
+  device_axes = hp.device_axes
 
   def init_fn(params):
     if type(params).__name__ == "_ParamsPlaceholder":
@@ -426,6 +461,8 @@ def scale_by_onebit_adam(
     _guards.check_mapped_region(axis_name, "scale_by_onebit_adam.init")
     n = _collective.axis_size(axis_name, caller="scale_by_onebit_adam.init")
     layout = _layout.layout_for(params, n)
+    worker, server = _collective.error_sizes(layout, _collective.axis_size(
+        _collective.split_axes(axis_name)[1], caller="scale_by_onebit_adam.init"))
     return ScaleByOnebitAdamState(
         count=jnp.zeros([], jnp.int32),
         leaf_sizes=jnp.asarray(layout.sizes, jnp.int32).reshape(-1),
@@ -437,8 +474,8 @@ def scale_by_onebit_adam(
         reference_l1=jnp.zeros([], jnp.float32),
         wire_bytes=jnp.zeros([], jnp.float32),
         skipped_steps=jnp.zeros([], jnp.int32),
-        worker_error=_collective.vary(jnp.zeros((1, layout.padded), error_dtype), axis_name),
-        server_error=_collective.vary(jnp.zeros((1, layout.chunk), error_dtype), axis_name),
+        worker_error=_collective.vary(jnp.zeros((1, worker), error_dtype), device_axes),
+        server_error=_collective.vary(jnp.zeros((1, server), error_dtype), device_axes),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -482,10 +519,11 @@ def onebit_adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     *,
-    axis_name: Optional[Hashable],
+    axis_name: Optional[Hashable | tuple],
     freeze: _freeze.FreezePolicy | int | None = None,
     variance_floor: float = 0.01,
     max_update: Optional[float] = None,
+    model_axis: Optional[Hashable | tuple] = None,
     mask: Any = None,
     moment_dtype: Any = None,
     error_dtype: Any = None,
@@ -512,12 +550,16 @@ def onebit_adam(
     b2: decay rate of the second moment.
     eps: added to the denominator.
     weight_decay: decoupled weight decay :math:`\lambda` (0 disables it).
-    axis_name: the data-parallel axis of ``shard_map``/``pmap``, or None.
+    axis_name: the data-parallel axis of ``shard_map``/``pmap``, or None; a
+      pair ``(slow, fast)`` averages hierarchically (see
+      :func:`scale_by_onebit_adam`).
     freeze: :func:`variance_ratio_freeze` or :func:`fixed_step_freeze` (or an int).
     variance_floor: floor on the frozen variance, relative to its leaf's mean
       (see :func:`scale_by_onebit_adam`).
     max_update: largest per-coordinate step after the freeze, before the
       learning rate (None: :func:`adam_update_bound`).
+    model_axis: the model-parallel axis the parameters are sharded over, or None
+      (see :func:`scale_by_onebit_adam`).
     mask: as in :func:`optax.adamw`: which leaves get weight decay.
     moment_dtype: storage dtype of the moments (see :func:`scale_by_onebit_adam`).
     error_dtype: storage dtype of the error buffers.
@@ -556,7 +598,8 @@ def onebit_adam(
   return optax.chain(
       scale_by_onebit_adam(
           b1, b2, eps, axis_name=axis_name, freeze=freeze, variance_floor=variance_floor,
-          max_update=max_update, moment_dtype=moment_dtype, error_dtype=error_dtype,
+          max_update=max_update, model_axis=model_axis, moment_dtype=moment_dtype,
+          error_dtype=error_dtype,
           skip_nonfinite=skip_nonfinite),
       decay,
       optax.scale_by_learning_rate(learning_rate))

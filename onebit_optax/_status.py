@@ -296,8 +296,14 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
   policy, b2, assumed = _policy_and_b2(opt_state, freeze, b2, stacked)
   interval = _interval(policy, b2)
   worker, server = (np.shape(_unwrap(e)) for e in (state.worker_error, state.server_error))
-  num_devices = worker[-1] // server[-1]
-  sent, adam, exact = _bytes(fields, num_devices, _num_params(params), worker[-1])
+  # Hierarchical averaging: the worker error is a 1/fast slice of the padded
+  # buffer, and the bytes that count are the slow axis's (on that slice).
+  padded = int(np.prod(np.shape(_unwrap(state.mu))))
+  fast = padded // worker[-1]
+  num_devices = padded // server[-1] // fast
+  num_params = _num_params(params)
+  sent, adam, exact = _bytes(fields, num_devices,
+                             None if num_params is None else num_params / fast, worker[-1])
 
   notes = []
   if assumed:

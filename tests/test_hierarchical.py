@@ -1,0 +1,209 @@
+"""Hierarchical averaging, ``axis_name=('node', 'local')``, on a (2, 4) mesh of 8 devices.
+
+Float32 over the fast axis ('local', inside a node), 1 bit over the slow one
+('node'). Checked three ways:
+
+- a numpy simulation of the hierarchical algorithm (written from its
+  description, reusing the flat simulation's compressor of
+  tests/test_reference_simulation.py) against the JAX run, across the freeze;
+- the compiled compression step: over 'node' only uint8 (packed signs and
+  scales), over 'local' the float32 reduce-scatter and uint8 all-gathers, and
+  the bytes over 'node' at most 1/30 of a float32 all-reduce over 'node';
+- every device's copy of the parameters and the momentum bitwise identical.
+
+The simulation: device (k, l) is node k's l-th device (device id 4k + l).
+1. Inside each node, the local momenta are averaged in float32; device (k, l)
+   keeps slice l of its node's mean: chunks 2l and 2l + 1 of the 8 chunks.
+2. Over the slow axis, the flat two-phase algorithm on that slice: (k, l)
+   compresses its slice (plus its worker error, 2 chunks long) chunk by chunk
+   and sends chunk 2l + j to device (j, l); device (k, l) serves chunk 2l + k:
+   averages the 2 nodes' pieces, adds its server error, re-compresses.
+3. Every device decodes all 8 server messages.
+"""
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import onebit_optax
+import _flat
+import _hlo
+import test_reference_simulation as flat_sim
+
+NODES, LOCAL = 2, 4
+N = NODES * LOCAL
+AXES = ("node", "local")
+CHUNK, PADDED, POSITION = flat_sim.CHUNK, flat_sim.PADDED, flat_sim.POSITION
+SCALAR_ELEMENTS = 8
+
+
+class _HierarchicalSimulation(flat_sim._Simulation):
+  """The flat simulation's workers, averaging hierarchically (module docstring)."""
+
+  def __init__(self, *args):
+    super().__init__(*args)
+    self.worker_error = np.zeros((N, PADDED // LOCAL), np.float32)
+
+  def _compressed_allreduce(self, local):
+    span = NODES * CHUNK  # one device's slice
+    node_mean = [np.sum(local[k * LOCAL:(k + 1) * LOCAL], axis=0, dtype=np.float32)
+                 / np.float32(LOCAL) for k in range(NODES)]
+    outbox = {}
+    for k in range(NODES):
+      for l in range(LOCAL):
+        i = k * LOCAL + l
+        u = node_mean[k][l * span:(l + 1) * span] + self.worker_error[i]
+        for j in range(NODES):
+          chunk = l * NODES + j
+          piece = u[j * CHUNK:(j + 1) * CHUNK]
+          packed, scales = flat_sim._compress(piece, chunk)
+          self._note_margin(piece, max(scales))
+          self.worker_error[i, j * CHUNK:(j + 1) * CHUNK] = (
+              piece - flat_sim._decompress(packed, scales, chunk))
+          outbox[k, chunk] = (packed, scales)
+    served = {}
+    for k in range(NODES):
+      for l in range(LOCAL):
+        i, chunk = k * LOCAL + l, l * NODES + k
+        total = flat_sim._decompress(*outbox[0, chunk], chunk)
+        for source in range(1, NODES):
+          total = total + flat_sim._decompress(*outbox[source, chunk], chunk)
+        w = total / np.float32(NODES) + self.server_error[i]
+        packed, scales = flat_sim._compress(w, chunk)
+        self.server_error[i] = w - flat_sim._decompress(packed, scales, chunk)
+        served[chunk] = (packed, scales)
+    return np.concatenate([flat_sim._decompress(*served[c], c) for c in range(N)])
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  assert jax.device_count() == N
+  return jax.make_mesh((NODES, LOCAL), AXES)
+
+
+def _training_step(mesh, tx, specs, loss_fn=flat_sim._loss):
+  data = P(AXES)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, data, data),
+                     out_specs=(P(), specs))
+  def step(params, opt_state, x, y):
+    grads = jax.grad(loss_fn)(onebit_optax.local_params(params, AXES), x[0], y[0])
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step
+
+
+def _setup(mesh, freeze_at, seed=1):
+  params0, x, y = flat_sim._problem(seed)
+  tx = onebit_optax.onebit_adam(flat_sim.LR, 0.9, 0.999, flat_sim.EPS, axis_name=AXES,
+                                freeze=onebit_optax.fixed_step_freeze(freeze_at))
+  params = jax.device_put(params0, NamedSharding(mesh, P()))
+  opt_state = onebit_optax.init_sharded(tx, params, mesh, AXES)
+  specs = onebit_optax.state_partition_specs(opt_state, AXES)
+  data = NamedSharding(mesh, P(AXES))
+  return (params0, x, y, tx, params, opt_state, specs,
+          jax.device_put(x, data), jax.device_put(y, data))
+
+
+def test_matches_numpy_simulation_of_2_nodes_of_4(mesh):
+  freeze_at, num_steps, tolerance = flat_sim.FREEZE_AT, flat_sim.NUM_STEPS, 5e-5
+  params0, x, y, tx, params, opt_state, specs, x_dev, y_dev = _setup(mesh, freeze_at)
+  # The worker error covers one device's 1/4 slice; the server error one chunk.
+  assert opt_state[0].worker_error.shape == (N, PADDED // LOCAL)
+  assert opt_state[0].server_error.shape == (N, CHUNK)
+  step = _training_step(mesh, tx, specs)
+  sim = _HierarchicalSimulation(flat_sim._flatten(params0["w"], params0["b"]), x, y, 0.9, 0.999)
+  for t in range(1, num_steps + 1):
+    params, opt_state = jax.block_until_ready(step(params, opt_state, x_dev, y_dev))
+    sim.update()
+    state, at = opt_state[0], f" after step {t}"
+    sim_w, sim_b = flat_sim._unflatten(sim.theta)
+    flat_sim._close(params["w"], sim_w, tolerance, "params['w']" + at)
+    flat_sim._close(params["b"], sim_b, tolerance, "params['b']" + at)
+    flat_sim._close(state.mu, flat_sim._pad(sim.mu), tolerance, "mu" + at)
+    if t > freeze_at:
+      magnitude = float(np.max(np.abs(sim.worker_error)))
+      flat_sim._close(state.worker_error, sim.worker_error, tolerance, "worker_error" + at,
+                      magnitude)
+      flat_sim._close(state.server_error, sim.server_error, tolerance, "server_error" + at,
+                      magnitude)
+  assert int(onebit_optax.freeze_step(opt_state)) == freeze_at
+  # The slow axis carries the compressed mean of a quarter of the buffer per device.
+  assert float(onebit_optax.wire_bytes(opt_state)) == onebit_optax.compressed_wire_bytes(
+      PADDED // LOCAL, NODES, _flat.max_segments([flat_sim.OUTPUTS, flat_sim.SIZE - flat_sim.OUTPUTS], N))
+  assert sim.min_sign_margin > 1e-5, sim.min_sign_margin
+
+
+def test_replicas_bitwise_identical_after_compression(mesh):
+  params0, x, y, tx, params, opt_state, specs, x_dev, y_dev = _setup(mesh, freeze_at=3)
+  step = _training_step(mesh, tx, specs)
+  for _ in range(40):
+    params, opt_state = jax.block_until_ready(step(params, opt_state, x_dev, y_dev))
+  assert bool(onebit_optax.is_frozen(opt_state))
+  worker_error = np.asarray(opt_state[0].worker_error)
+  assert not np.array_equal(worker_error[0], worker_error[1])  # devices did differ
+  for name, tree in {"params": params, "mu": opt_state[0].mu}.items():
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      flat_sim._assert_bitwise_identical(flat_sim._replica_copies(leaf),
+                                         f"{name}{jax.tree_util.keystr(path)}")
+
+
+@pytest.fixture(scope="module")
+def phases(mesh):
+  _, _, _, tx, params, opt_state, specs, x_dev, y_dev = _setup(mesh, freeze_at=10)
+  step = _training_step(mesh, tx, specs)
+  compiled = step.lower(params, opt_state, x_dev, y_dev).compile(
+      {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True})
+  return _hlo.split_by_phase(_hlo.HloModule.from_compiled(compiled))
+
+
+def _large(collectives):
+  return [c for c in collectives if c.size > SCALAR_ELEMENTS]
+
+
+def test_compression_step_sends_only_bytes_over_the_slow_axis(phases):
+  over = collections.defaultdict(list)  # the group size tells the axis: 2 = node, 4 = local
+  for c in _large(phases.compression):
+    over[{NODES: "node", LOCAL: "local"}[c.group_size]].append(c)
+  described = {axis: sorted(f"{c.collective} {sorted(c.dtypes)}" for c in cs)
+               for axis, cs in over.items()}
+  assert described == {
+      "node": ["all-gather ['u8']", "all-to-all ['u8']"],
+      "local": ["all-gather ['u8']", "reduce-scatter ['f32']"]}, described
+  sizes = [flat_sim.OUTPUTS, flat_sim.SIZE - flat_sim.OUTPUTS]
+  slow = _hlo.total_wire_bytes(over["node"], NODES)
+  allreduce_over_nodes = onebit_optax.allreduce_wire_bytes(_flat.padded(sizes, N), NODES)
+  print(f"\n[hierarchical] bytes over 'node' per device: {slow:.0f}, "
+        f"fp32 all-reduce over 'node': {allreduce_over_nodes:.0f} "
+        f"({allreduce_over_nodes / slow:.1f}x)")
+  assert slow <= allreduce_over_nodes / 30
+  assert slow == onebit_optax.compressed_wire_bytes(
+      _flat.padded(sizes, N) // LOCAL, NODES, _flat.max_segments(sizes, N))
+  # Anything else (a finiteness predicate) is a scalar.
+  for c in phases.compression:
+    assert c.size <= SCALAR_ELEMENTS or c in _large(phases.compression), str(c)
+
+
+def test_warmup_sends_a_quarter_of_the_buffer_over_the_slow_axis(phases):
+  sizes = [flat_sim.OUTPUTS, flat_sim.SIZE - flat_sim.OUTPUTS]
+  described = sorted(f"{c.collective} {sorted(c.dtypes)} {c.group_size} {c.size}"
+                     for c in _large(phases.warmup))
+  quarter = _flat.padded(sizes, N) // LOCAL
+  assert described == sorted([
+      f"reduce-scatter ['f32'] {LOCAL} {quarter}",
+      f"all-reduce ['f32'] {NODES} {quarter}",
+      f"all-gather ['f32'] {LOCAL} {_flat.padded(sizes, N)}"]), described
+
+
+def test_malformed_axis_pairs_are_refused():
+  for bad in [("node", "node"), ("a", "b", "c"), ("node", None)]:
+    with pytest.raises(ValueError, match="pair of two different axes"):
+      onebit_optax.onebit_adam(1e-3, axis_name=bad)
