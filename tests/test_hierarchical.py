@@ -207,3 +207,29 @@ def test_malformed_axis_pairs_are_refused():
   for bad in [("node", "node"), ("a", "b", "c"), ("node", None)]:
     with pytest.raises(ValueError, match="pair of two different axes"):
       onebit_optax.onebit_adam(1e-3, axis_name=bad)
+
+
+def test_checkpoint_round_trip_and_move_to_a_flat_mesh(mesh, tmp_path):
+  _, _, _, tx, params, opt_state, specs, x_dev, y_dev = _setup(mesh, freeze_at=3)
+  step = _training_step(mesh, tx, specs)
+  for _ in range(6):
+    params, opt_state = jax.block_until_ready(step(params, opt_state, x_dev, y_dev))
+  assert onebit_optax.save_checkpoint(str(tmp_path), 6, params, opt_state)
+  # The same mesh: everything back exactly, error buffers included.
+  params2, state2, _ = onebit_optax.restore_checkpoint(str(tmp_path), tx, params, mesh, AXES)
+  for a, b in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves((params2, state2))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The same 8 devices as a flat mesh: the errors have other shapes and are reset.
+  flat_mesh = jax.make_mesh((N,), ("data",))
+  flat_tx = onebit_optax.onebit_adam(flat_sim.LR, axis_name="data",
+                                     freeze=onebit_optax.fixed_step_freeze(3))
+  with pytest.warns(UserWarning, match="reset to zero"):
+    _, flat_state, _ = onebit_optax.restore_checkpoint(str(tmp_path), flat_tx, params, flat_mesh)
+  assert flat_state[0].worker_error.shape == (N, PADDED)
+  assert not np.any(np.asarray(flat_state[0].worker_error))
+  np.testing.assert_array_equal(np.asarray(flat_state[0].mu), np.asarray(opt_state[0].mu))
+  # status counts the bytes over the slow axis: a quarter of the buffer, 2 nodes.
+  summary = onebit_optax.status(flat_state, params=params, freeze=3)
+  assert summary.phase == "compression"
+  hier = onebit_optax.status(opt_state, params=params, freeze=3)
+  assert hier.adam_bytes == 6 * onebit_optax.allreduce_wire_bytes(flat_sim.SIZE / LOCAL, NODES)
