@@ -3,8 +3,11 @@
 Subcommands:
   rank        train the embedding-heavy model with optax.adam (+ pmean of the
               gradients), then with onebit_adam (warmup steps, then compression
-              steps), timing each step and reading the interface's byte counters;
-              writes one JSON file per rank.
+              steps), timing each step and reading the interface's (and
+              loopback's) byte counters; with --mesh NxK also on a 2-D
+              ('node', 'local') mesh: Adam's pmean over both axes and
+              hierarchical onebit_adam (axis_name=('node', 'local')). Writes
+              one JSON file per rank.
   tcp-server  / tcp-client: a plain TCP goodput and round-trip probe, so the
               alpha-beta model uses the bandwidth the link really gives.
 
@@ -88,151 +91,222 @@ def _counter(iface: str, which: str) -> int:
   raise RuntimeError(f"no byte counter for interface {iface}")
 
 
-def _rank(args):
-  import functools
+def _meshes(args):
+  """The 1-D mesh ('data',) of all ranks and, with --mesh, the 2-D ('node', 'local') one.
 
+  jax.make_mesh lays CPU devices out in jax.devices() order; the check makes
+  sure that row k of the 2-D mesh holds the ranks of node k (the ranks sharing
+  its namespace), e.g. processes 0, 1 on 'node' 0 and 2, 3 on 'node' 1.
+  """
   import jax
-  import jax.numpy as jnp
   import numpy as np
+
+  flat = jax.make_mesh((args.num_ranks,), ("data",))
+  if not args.mesh:
+    return flat, None
+  shape = tuple(int(k) for k in args.mesh.split("x"))
+  mesh = jax.make_mesh(shape, ("node", "local"))
+  procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  if args.num_ranks > 1 and not (procs == np.arange(procs.size).reshape(shape)).all():
+    raise RuntimeError(f"2-D mesh rows are not nodes: process ids {procs.tolist()}")
+  return flat, mesh
+
+
+class _Bench:
+  """The model, the data and the timing loop shared by every optimizer mode."""
+
+  def __init__(self, args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    self.args = args
+    # An embedding-bag classifier: almost all parameters sit in the embedding
+    # table, while the forward/backward pass touches only batch*seq rows of it, so
+    # the dense gradient (and its all-reduce) dominate the step, as in
+    # embedding-heavy recommendation and language models.
+    vocab, dim, hidden, classes = args.vocab, args.dim, 64, 16
+    self.classes = classes
+
+    def init_params(key):
+      k1, k2, k3 = jax.random.split(key, 3)
+      return {
+          "embed": 0.02 * jax.random.normal(k1, (vocab, dim)),
+          "w1": jax.random.normal(k2, (dim, hidden)) / np.sqrt(dim),
+          "b1": jnp.zeros(hidden),
+          "w2": jax.random.normal(k3, (hidden, classes)) / np.sqrt(hidden),
+          "b2": jnp.zeros(classes),
+      }
+
+    def loss_fn(params, tokens, labels):
+      bag = params["embed"][tokens].mean(axis=1)
+      h = jnp.tanh(bag @ params["w1"] + params["b1"])
+      logits = h @ params["w2"] + params["b2"]
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    self.init_params, self.loss_fn = init_params, loss_fn
+    self.shapes = jax.eval_shape(init_params, jax.random.key(0))
+    self.num_params = sum(x.size for x in jax.tree.leaves(self.shapes))
+
+  def params(self, mesh):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return jax.jit(self.init_params, out_shardings=NamedSharding(mesh, P()))(jax.random.key(0))
+
+  def batch(self, mesh, axis):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    n, a = self.args.num_ranks, self.args
+
+    def make(key):
+      k1, k2 = jax.random.split(key)
+      tokens = jax.random.randint(k1, (n * a.batch, a.seq), 0, a.vocab)
+      return tokens, jax.random.randint(k2, (n * a.batch,), 0, self.classes)
+    batched = NamedSharding(mesh, P(axis))
+    return jax.jit(make, out_shardings=(batched, batched))(jax.random.key(1))
+
+  def make_step(self, mesh, axis, tx, state_specs, reduce_grads):
+    import functools
+
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import onebit_optax
+    # With one rank and Adam, no pmean (see below), so the gradients stay typed
+    # as varying: turn the type check off rather than add a copy.
+    single_adam = reduce_grads and self.args.num_ranks == 1
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(P(), state_specs, P(axis), P(axis)),
+        out_specs=(P(), state_specs, P()), check_vma=not single_adam)
+    def step(params, opt_state, tokens, labels):
+      # Local gradients (no all-reduce in the backward pass); each optimizer
+      # decides how to average them.
+      loss, grads = jax.value_and_grad(self.loss_fn)(
+          onebit_optax.local_params(params, axis), tokens, labels)
+      if reduce_grads and not single_adam:
+        # (With one rank XLA keeps a 1-participant all-reduce, a full copy that
+        # would be counted as compute in the compute-alone run.)
+        grads = jax.lax.pmean(grads, axis)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axis)
+    return step
+
+  def run_block(self, step, state, batch, nsteps):
+    """``nsteps`` timed steps; bytes from the interface's (and loopback's) counters."""
+    import jax
+    ifaces = {"": self.args.iface, "lo_": "lo"}
+    before = {k: (_counter(i, "tx_bytes"), _counter(i, "rx_bytes")) for k, i in ifaces.items()}
+    times = []
+    for _ in range(nsteps):
+      t = time.perf_counter()
+      state = step(*state, *batch)[:2]
+      jax.block_until_ready(state)
+      times.append(time.perf_counter() - t)
+    block = {"step_s": times}
+    for k, i in ifaces.items():
+      block[f"{k}tx_bytes_per_step"] = (_counter(i, "tx_bytes") - before[k][0]) / nsteps
+      block[f"{k}rx_bytes_per_step"] = (_counter(i, "rx_bytes") - before[k][1]) / nsteps
+    return state, block
+
+  def timed(self, step, state, batch):
+    """``repeats`` blocks of ``steps`` timed steps."""
+    blocks = []
+    for _ in range(self.args.repeats):
+      state, block = self.run_block(step, state, batch, self.args.steps)
+      blocks.append(block)
+    return state, blocks
+
+
+def _replicated_value(x):
+  import numpy as np
+  return np.asarray(x.addressable_data(0)).item()
+
+
+def _time_adam(bench, mesh, axis):
+  """optax.adam on the pmean (over every axis in ``axis``) of the local gradients."""
+  import jax
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
+  tx = optax.adam(1e-3)
+  params = bench.params(mesh)
+  opt_state = jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))(params)
+  step = bench.make_step(mesh, axis, tx, P(), reduce_grads=True)
+  batch = bench.batch(mesh, axis)
+  t = time.perf_counter()
+  state, _ = bench.run_block(step, (params, opt_state), batch, 1)
+  first = time.perf_counter() - t
+  _, blocks = bench.timed(step, state, batch)
+  return {"first_step_s": first, "blocks": blocks}
 
+
+def _time_onebit(bench, mesh, axis, time_warmup: bool) -> dict:
+  """onebit_adam over ``axis``: (optionally timed) warmup steps, then compression steps.
+
+  One compiled program serves both phases (the switch is a lax.cond on the
+  state): step 1 compiles, then, with ``time_warmup``, ``repeats * steps`` timed
+  warmup steps follow; the variance freezes at the end of the last warmup step,
+  one untimed compression step follows, then the timed compression steps.
+  """
   import onebit_optax
+  a = bench.args
+  freeze_at = 1 + (a.repeats * a.steps if time_warmup else 0)
+  tx = onebit_optax.onebit_adam(
+      1e-3, axis_name=axis, freeze=onebit_optax.fixed_step_freeze(freeze_at))
+  params = bench.params(mesh)
+  opt_state = onebit_optax.init_sharded(tx, params, mesh, axis_name=axis)
+  step = bench.make_step(mesh, axis, tx, onebit_optax.state_partition_specs(opt_state, axis),
+                         reduce_grads=False)
+  batch = bench.batch(mesh, axis)
+  t = time.perf_counter()
+  state, _ = bench.run_block(step, (params, opt_state), batch, 1)
+  out = {"warmup": {"first_step_s": time.perf_counter() - t}}
+  if time_warmup:
+    state, out["warmup"]["blocks"] = bench.timed(step, state, batch)
+    out["warmup"]["state_wire_bytes"] = _replicated_value(onebit_optax.wire_bytes(state[1]))
+  assert _replicated_value(onebit_optax.is_frozen(state[1])), "did not freeze"
+  state, _ = bench.run_block(step, state, batch, 1)
+  state, blocks = bench.timed(step, state, batch)
+  out["compression"] = {"blocks": blocks,
+                        "state_wire_bytes": _replicated_value(onebit_optax.wire_bytes(state[1]))}
+  return out
+
+
+def _rank(args):
+  import jax
 
   if args.num_ranks > 1:
     jax.distributed.initialize(
         coordinator_address=args.coordinator, num_processes=args.num_ranks,
         process_id=args.rank, initialization_timeout=300)
-  devices = jax.devices()
-  assert len(devices) == args.num_ranks, devices
-  mesh = jax.make_mesh((args.num_ranks,), ("data",))
-  replicated, batched = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-
-  # An embedding-bag classifier: almost all parameters sit in the embedding
-  # table, while the forward/backward pass touches only batch*seq rows of it, so
-  # the dense gradient (and its all-reduce) dominate the step, as in
-  # embedding-heavy recommendation and language models.
-  vocab, dim, hidden, classes = args.vocab, args.dim, 64, 16
-
-  def init_params(key):
-    k1, k2, k3 = jax.random.split(key, 3)
-    return {
-        "embed": 0.02 * jax.random.normal(k1, (vocab, dim)),
-        "w1": jax.random.normal(k2, (dim, hidden)) / np.sqrt(dim),
-        "b1": jnp.zeros(hidden),
-        "w2": jax.random.normal(k3, (hidden, classes)) / np.sqrt(hidden),
-        "b2": jnp.zeros(classes),
-    }
-
-  def make_batch(key):
-    k1, k2 = jax.random.split(key)
-    tokens = jax.random.randint(k1, (args.num_ranks * args.batch, args.seq), 0, vocab)
-    return tokens, jax.random.randint(k2, (args.num_ranks * args.batch,), 0, classes)
-
-  def loss_fn(params, tokens, labels):
-    bag = params["embed"][tokens].mean(axis=1)
-    h = jnp.tanh(bag @ params["w1"] + params["b1"])
-    logits = h @ params["w2"] + params["b2"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-  fresh_params = jax.jit(init_params, out_shardings=replicated)
-  tokens, labels = jax.jit(make_batch, out_shardings=(batched, batched))(jax.random.key(1))
-  shapes = jax.eval_shape(init_params, jax.random.key(0))
-  num_params = sum(x.size for x in jax.tree.leaves(shapes))
-
-  def make_step(tx, state_specs, reduce_grads):
-    # With one rank and Adam, no pmean (see below), so the gradients stay typed
-    # as varying: turn the type check off rather than add a copy.
-    single_adam = reduce_grads and args.num_ranks == 1
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(P(), state_specs, P("data"), P("data")),
-        out_specs=(P(), state_specs, P()), check_vma=not single_adam)
-    def step(params, opt_state, tokens, labels):
-      # Local gradients (no all-reduce in the backward pass); each optimizer
-      # decides how to average them.
-      loss, grads = jax.value_and_grad(loss_fn)(
-          onebit_optax.local_params(params, "data"), tokens, labels)
-      if reduce_grads and not single_adam:
-        # (With one rank XLA keeps a 1-participant all-reduce, a full copy that
-        # would be counted as compute in the compute-alone run.)
-        grads = jax.lax.pmean(grads, "data")
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
-    return step
-
-  iface = args.iface
-
-  def run_block(step, params, opt_state, nsteps):
-    tx0, rx0 = _counter(iface, "tx_bytes"), _counter(iface, "rx_bytes")
-    times = []
-    for _ in range(nsteps):
-      t = time.perf_counter()
-      params, opt_state, loss = step(params, opt_state, tokens, labels)
-      jax.block_until_ready((params, opt_state, loss))
-      times.append(time.perf_counter() - t)
-    tx1, rx1 = _counter(iface, "tx_bytes"), _counter(iface, "rx_bytes")
-    return params, opt_state, {
-        "step_s": times, "tx_bytes_per_step": (tx1 - tx0) / nsteps,
-        "rx_bytes_per_step": (rx1 - rx0) / nsteps}
-
-  def replicated_value(x):
-    return np.asarray(x.addressable_data(0)).item()
-
-  results = {"rank": args.rank, "num_params": int(num_params), "num_ranks": args.num_ranks,
-             "leaf_shapes": [list(x.shape) for x in jax.tree.leaves(shapes)],
-             "iface": iface, "modes": {}}
-  nsteps, repeats = args.steps, args.repeats
-
-  # --- optax.adam on the pmean of the local gradients -------------------------
-  if "adam" in args.modes:
-    tx = optax.adam(1e-3)
-    params = fresh_params(jax.random.key(0))
-    opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
-    step = make_step(tx, P(), reduce_grads=True)
-    t = time.perf_counter()
-    params, opt_state, _ = run_block(step, params, opt_state, 1)
-    blocks = []
-    for _ in range(repeats):
-      params, opt_state, block = run_block(step, params, opt_state, nsteps)
-      blocks.append(block)
-    results["modes"]["adam"] = {"first_step_s": time.perf_counter() - t, "blocks": blocks}
-    del params, opt_state, step
-
-  # --- onebit_adam: warmup steps, then (forced) compression steps --------------
-  if "onebit" in args.modes:
-    # One compiled program serves both phases (the switch is a lax.cond on the
-    # state): step 1 compiles, `repeats * nsteps` timed warmup steps follow, the
-    # variance freezes at the end of the last of them, one untimed compression
-    # step follows, then the timed compression steps.
-    freeze_at = 1 + repeats * nsteps
-    tx = onebit_optax.onebit_adam(
-        1e-3, axis_name="data", freeze=onebit_optax.fixed_step_freeze(freeze_at))
-    params = fresh_params(jax.random.key(0))
-    opt_state = onebit_optax.init_sharded(tx, params, mesh)
-    specs = onebit_optax.state_partition_specs(opt_state, "data")
-    step = make_step(tx, specs, reduce_grads=False)
-    t = time.perf_counter()
-    params, opt_state, _ = run_block(step, params, opt_state, 1)
-    first = time.perf_counter() - t
-    warm, comp = [], []
-    for _ in range(repeats):
-      params, opt_state, block = run_block(step, params, opt_state, nsteps)
-      warm.append(block)
-    assert replicated_value(onebit_optax.is_frozen(opt_state)), "did not freeze"
-    warm_wire = replicated_value(onebit_optax.wire_bytes(opt_state))
-    params, opt_state, _ = run_block(step, params, opt_state, 1)
-    for _ in range(repeats):
-      params, opt_state, block = run_block(step, params, opt_state, nsteps)
-      comp.append(block)
-    comp_wire = replicated_value(onebit_optax.wire_bytes(opt_state))
-    results["modes"]["onebit_warmup"] = {
-        "first_step_s": first, "blocks": warm, "state_wire_bytes": warm_wire}
-    results["modes"]["onebit_compression"] = {"blocks": comp, "state_wire_bytes": comp_wire}
+  assert len(jax.devices()) == args.num_ranks, jax.devices()
+  flat, mesh2 = _meshes(args)
+  bench = _Bench(args)
+  results = {"rank": args.rank, "num_params": int(bench.num_params), "num_ranks": args.num_ranks,
+             "leaf_shapes": [list(x.shape) for x in jax.tree.leaves(bench.shapes)],
+             "iface": args.iface, "mesh": args.mesh, "modes": {}}
+  if mesh2 is not None:
+    results["mesh_process_ids"] = [[d.process_index for d in row] for row in mesh2.devices]
+  modes = args.modes.split(",")
+  hier_axis = ("node", "local")
+  if "adam" in modes:  # on the 2-D mesh, pmean over both axes
+    results["modes"]["adam"] = (_time_adam(bench, flat, "data") if mesh2 is None
+                                else _time_adam(bench, mesh2, hier_axis))
+  if "onebit" in modes or "onebit_compression" in modes:
+    out = _time_onebit(bench, flat, "data", time_warmup="onebit" in modes)
+    if "onebit" in modes:
+      results["modes"]["onebit_warmup"] = out["warmup"]
+    results["modes"]["onebit_compression"] = out["compression"]
+  if "hier" in modes:
+    out = _time_onebit(bench, mesh2, hier_axis, time_warmup=False)
+    results["modes"]["hier_compression"] = dict(out["compression"],
+                                                first_step_s=out["warmup"]["first_step_s"])
 
   if args.profile:
-    results["profile"] = _profile_collectives(args, mesh, shapes)
+    results["profile"] = _profile_collectives(args, flat, bench.shapes)
 
   with open(args.out, "w") as f:
     json.dump(results, f)
@@ -331,7 +405,11 @@ def main(argv=None):
   rk.add_argument("--seq", type=int, required=True)
   rk.add_argument("--steps", type=int, required=True, help="timed steps per repeat")
   rk.add_argument("--repeats", type=int, required=True)
-  rk.add_argument("--modes", default="adam,onebit")
+  rk.add_argument("--modes", default="adam,onebit",
+                  help="comma list of adam, onebit (warmup + compression), onebit_compression "
+                       "(compression only), hier (hierarchical 1-bit Adam, needs --mesh)")
+  rk.add_argument("--mesh", default=None,
+                  help="NODESxLOCAL: also a 2-D ('node', 'local') mesh (adam then reduces over it)")
   rk.add_argument("--profile", action="store_true", help="also time the collectives alone")
   rk.add_argument("--profile-repeats", type=int, default=3)
   rk.add_argument("--out", required=True)

@@ -13,6 +13,16 @@ Ethernet cluster. The switch lives in its own namespace and no end of any veth i
 in the host's namespace, so nothing here touches the host's network, and
 deleting the namespaces deletes every interface.
 
+With ``ranks_per_node=k`` (the hierarchical case) each namespace is a *node*
+holding k ranks: ``netns obb<pid>-r<node>``, one veth (the node's only, shaped
+link to the switch), ranks ``node*k ... node*k+k-1`` all run inside it and share
+its address. Their gloo sockets listen on that address (the hosts trick below),
+so a connection between two ranks of one node targets the node's own address:
+the kernel routes local addresses through ``lo`` (the "local" routing table),
+never through eth0. Intra-node traffic therefore stays inside the namespace,
+unshaped, and only inter-node traffic crosses the veth, whose counters (eth0
+inside the node, p<node> on the switch) then count exactly the inter-node bytes.
+
 Why a per-namespace ``/etc/hosts``: gloo (JAX's CPU collectives) listens on the
 address that the machine's hostname resolves to. All namespaces share the
 hostname, which resolves to 127.0.0.1, so peers in other namespaces get
@@ -94,21 +104,39 @@ def _remove_empty_etc_netns():
 
 
 class Cluster:
-  """``n`` namespaces on one bridge with ``rate``-limited links; a context manager."""
+  """Namespaces on one bridge with ``rate``-limited links; a context manager.
 
-  def __init__(self, num_ranks: int, rate: str):
+  ``num_ranks / ranks_per_node`` namespaces ("nodes"); rank r runs in node
+  ``r // ranks_per_node``. With the default ``ranks_per_node=1`` every rank has
+  its own namespace and link.
+  """
+
+  def __init__(self, num_ranks: int, rate: str, ranks_per_node: int = 1):
+    if num_ranks % ranks_per_node:
+      raise ValueError(f"{num_ranks} ranks do not split into nodes of {ranks_per_node}")
     self.num_ranks = num_ranks
+    self.ranks_per_node = ranks_per_node
+    self.num_nodes = num_ranks // ranks_per_node
     self.rate = rate
     self.prefix = f"{BASE}{os.getpid()}"
     self.switch = f"{self.prefix}-sw"
-    self.namespaces = [f"{self.prefix}-r{r}" for r in range(num_ranks)]
+    self.namespaces = [f"{self.prefix}-r{k}" for k in range(self.num_nodes)]
     self._created: list[str] = []
 
+  def node_of(self, rank: int) -> int:
+    return rank // self.ranks_per_node
+
+  def node_address(self, node: int) -> str:
+    return f"{SUBNET}.{node + 1}"
+
+  def node_exec_prefix(self, node: int) -> list[str]:
+    return ["ip", "netns", "exec", self.namespaces[node]]
+
   def address(self, rank: int) -> str:
-    return f"{SUBNET}.{rank + 1}"
+    return self.node_address(self.node_of(rank))
 
   def exec_prefix(self, rank: int) -> list[str]:
-    return ["ip", "netns", "exec", self.namespaces[rank]]
+    return self.node_exec_prefix(self.node_of(rank))
 
   def __enter__(self) -> "Cluster":
     try:
@@ -131,15 +159,15 @@ class Cluster:
     sw = ["ip", "-n", self.switch]
     _run(sw + ["link", "add", "br0", "type", "bridge"])
     _run(sw + ["link", "set", "br0", "up"])
-    for rank, ns in enumerate(self.namespaces):
+    for node, ns in enumerate(self.namespaces):
       self._add_netns(ns)
-      port = f"p{rank}"
+      port = f"p{node}"
       # Both ends are created directly inside their namespaces: no interface
       # ever appears in the host namespace.
       _run(["ip", "link", "add", "eth0", "netns", ns, "type", "veth",
             "peer", "name", port, "netns", self.switch])
       rk = ["ip", "-n", ns]
-      _run(rk + ["addr", "add", f"{self.address(rank)}/24", "dev", "eth0"])
+      _run(rk + ["addr", "add", f"{self.node_address(node)}/24", "dev", "eth0"])
       _run(rk + ["link", "set", "eth0", "up"])
       _run(rk + ["link", "set", "lo", "up"])
       _run(sw + ["link", "set", port, "master", "br0"])
@@ -152,7 +180,7 @@ class Cluster:
       etc = ETC_NETNS / ns
       etc.mkdir(parents=True, exist_ok=True)
       (etc / "hosts").write_text(
-          f"127.0.0.1 localhost\n{self.address(rank)} {hostname}\n")
+          f"127.0.0.1 localhost\n{self.node_address(node)} {hostname}\n")
 
   def close(self):
     for name in reversed(self._created):
@@ -162,9 +190,21 @@ class Cluster:
     _remove_empty_etc_netns()
 
   def tx_bytes(self, rank: int) -> int:
-    """Bytes rank's eth0 has sent (kernel counter)."""
+    """Bytes the eth0 of rank's node has sent (kernel counter)."""
     out = _run(self.exec_prefix(rank) + ["cat", "/sys/class/net/eth0/statistics/tx_bytes"])
     return int(out.stdout)
+
+  def link_counters(self) -> dict:
+    """Kernel byte counters of every node's link, read on both ends of its veth."""
+    out = {}
+    for node in range(self.num_nodes):
+      eth = [int(_run(self.node_exec_prefix(node) + [
+          "cat", f"/sys/class/net/eth0/statistics/{c}"]).stdout) for c in ("tx_bytes", "rx_bytes")]
+      port = [int(_run(["ip", "netns", "exec", self.switch, "cat",
+                        f"/sys/class/net/p{node}/statistics/{c}"]).stdout)
+              for c in ("tx_bytes", "rx_bytes")]
+      out[node] = {"eth0_tx": eth[0], "eth0_rx": eth[1], "port_tx": port[0], "port_rx": port[1]}
+    return out
 
 
 def _burst(rate: str) -> str:
@@ -181,16 +221,20 @@ def _rate_bits(rate: str) -> float:
 
 
 def measure_bandwidth(cluster: Cluster, python: str, nbytes: int = 100 * 2**20,
-                      timeout: float = 120.0) -> dict:
-  """TCP goodput (bytes/s) and small-message round-trip time between rank 0 and 1."""
+                      timeout: float = 120.0, nodes: tuple[int, int] = (0, 1)) -> dict:
+  """TCP goodput (bytes/s) and small-message round-trip time from node a to node b.
+
+  ``nodes=(k, k)`` measures the path between two ranks of one node (its loopback).
+  """
   script = Path(__file__).with_name("_comm_worker.py")
+  a, b = nodes
   server = subprocess.Popen(
-      cluster.exec_prefix(1) + [python, str(script), "tcp-server", str(nbytes)],
+      cluster.node_exec_prefix(b) + [python, str(script), "tcp-server", str(nbytes)],
       stdout=subprocess.PIPE, text=True)
   try:
     time.sleep(0.5)
-    client = _run(cluster.exec_prefix(0) + [
-        python, str(script), "tcp-client", str(nbytes), cluster.address(1)])
+    client = _run(cluster.node_exec_prefix(a) + [
+        python, str(script), "tcp-client", str(nbytes), cluster.node_address(b)])
     out, _ = server.communicate(timeout=timeout)
   finally:
     if server.poll() is None:

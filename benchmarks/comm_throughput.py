@@ -2,6 +2,7 @@
 
     sudo .venv/bin/python benchmarks/comm_throughput.py            # 1 Gbit/s links
     sudo .venv/bin/python benchmarks/comm_throughput.py --rates    # + 100 Mbit/s and 10 Gbit/s
+    sudo .venv/bin/python benchmarks/comm_throughput.py --hier     # 2 nodes x 2 ranks (~4 min)
 
 Not a test (CI does not run it): it needs root for network namespaces and takes
 minutes. What it does:
@@ -41,6 +42,14 @@ minutes. What it does:
                  (t_compute_onebit = t_compute_adam + t_compress)
 
    with the measured bandwidth and compute times.
+
+``--hier`` runs the hierarchical case instead (benchmarks/results/
+comm_throughput_hier.md and .json): ``--nodes`` (2) namespaces of 2 ranks each,
+only the link between namespaces shaped; the ranks of a node talk over its
+loopback. Adam (pmean over ('node', 'local')), flat 1-bit Adam (1-D mesh
+'data' of the same ranks) and hierarchical 1-bit Adam (axis_name=('node',
+'local') on jax.make_mesh((2, 2), ('node', 'local'))); bytes per device on the
+link (the node's eth0 counters / 2) against compressed_wire_bytes(padded/2, 2, S).
 """
 
 from __future__ import annotations
@@ -63,10 +72,12 @@ import _netns  # noqa: E402  (benchmarks/_netns.py)
 
 WORKER = HERE / "_comm_worker.py"
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-MODES = ("adam", "onebit_warmup", "onebit_compression")
+MODES = ("adam", "onebit_warmup", "onebit_compression", "hier_compression")
 LABELS = {"adam": "optax.adam + pmean", "onebit_warmup": "onebit_adam warmup",
-          "onebit_compression": "onebit_adam compression"}
-SHORT = {"adam": "adam", "onebit_warmup": "1-bit warmup", "onebit_compression": "1-bit compression"}
+          "onebit_compression": "onebit_adam compression",
+          "hier_compression": "onebit_adam hierarchical compression"}
+SHORT = {"adam": "adam", "onebit_warmup": "1-bit warmup", "onebit_compression": "1-bit compression",
+         "hier_compression": "hierarchical 1-bit"}
 COORD_PORT = 12355
 
 
@@ -88,6 +99,10 @@ def _parse_args(argv=None):
   p.add_argument("--modes", default="adam,onebit",
                  help="what the ranks train: adam, onebit (warmup then compression) or both "
                       "(default adam,onebit)")
+  p.add_argument("--hier", action="store_true",
+                 help="instead: the hierarchical case, --nodes namespaces of ranks/nodes ranks each, "
+                      "only the links between nodes shaped; writes comm_throughput_hier.*")
+  p.add_argument("--nodes", type=int, default=2, help="namespaces (nodes) with --hier (default 2)")
   p.add_argument("--timeout", type=float, default=1200, help="seconds per group of ranks")
   p.add_argument("--out-dir", default=str(HERE / "results"))
   p.add_argument("--name", default=None, help="output file stem (default comm_throughput, or "
@@ -148,11 +163,14 @@ def _run_ranks(cmds: list[list[str]], workdir: Path, timeout: float, tag: str) -
   return [json.loads(o.read_text()) for o in outs]
 
 
-def _worker_cmd(args, rank: int, num_ranks: int, coordinator: str | None, iface: str) -> list[str]:
+def _worker_cmd(args, rank: int, num_ranks: int, coordinator: str | None, iface: str,
+                modes: str | None = None, mesh: str | None = None) -> list[str]:
   cmd = [sys.executable, str(WORKER), "rank", "--rank", str(rank), "--num-ranks", str(num_ranks),
          "--iface", iface, "--vocab", str(args.vocab), "--dim", str(args.dim),
          "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-         "--repeats", str(args.repeats), "--modes", args.modes]
+         "--repeats", str(args.repeats), "--modes", modes or args.modes]
+  if mesh:
+    cmd += ["--mesh", mesh]
   if coordinator:
     cmd += ["--coordinator", coordinator]
     if args.profile:
@@ -375,6 +393,8 @@ def main(argv=None):
   args = _parse_args(argv)
   for sig in (signal.SIGTERM, signal.SIGHUP):
     signal.signal(sig, _on_signal)
+  if args.hier:
+    return _main_hier(args, argv)
   rates = [args.rate] + ([r for r in ("100mbit", "10gbit") if r != args.rate] if args.rates else [])
   start_load = _uptime()
   print(f"uptime at start: {start_load}", flush=True)
@@ -476,6 +496,274 @@ def main(argv=None):
   print(f"wrote {out_dir / (stem + '.md')}")
   _plot(runs, out_dir / f"{stem}.png")
 
+
+# --- the hierarchical case (--hier) ------------------------------------------------
+#
+# --nodes namespaces ("nodes") of k = ranks / nodes ranks each; only the veth of
+# each node into the bridge is shaped, the k ranks of a node talk over its
+# loopback (_netns.Cluster with ranks_per_node=k). The worker builds the 2-D mesh
+# ('node', 'local') with node k's ranks on row k. Modes: Adam (pmean over both
+# axes), flat 1-bit Adam (1-D mesh 'data' of the same ranks) and hierarchical
+# 1-bit Adam (axis_name=('node', 'local')), both forced into compression.
+
+HIER_MODES = ("adam", "onebit_warmup", "onebit_compression", "hier_compression")
+HIER_WORKER_MODES = "adam,onebit,hier"
+
+
+def _main_hier(args, argv):
+  t0, start_load = time.time(), _uptime()
+  print(f"uptime at start: {start_load}", flush=True)
+  reason = _netns.unavailable_reason()
+  if reason:
+    sys.exit(f"--hier needs network namespaces ({reason}); run as root with iproute2.")
+  stale = _netns.cleanup_stale()
+  if stale:
+    print(f"removed leftovers of earlier runs: {', '.join(stale)}", flush=True)
+  workdir = Path(tempfile.mkdtemp(prefix="onebit-hier-"))
+  try:
+    compute = _hier_compute(args, workdir, t0)
+    run = _hier_network(args, workdir, t0)
+  finally:
+    _kill_children()
+    shutil.rmtree(workdir, ignore_errors=True)
+  _hier_model(run, compute)
+  _write_hier(args, argv, run, compute, t0, start_load)
+
+
+def _hier_compute(args, workdir: Path, t0: float) -> dict:
+  """Every rank alone on a 1-device (1x1) mesh, all at once on the same cores."""
+  print(f"[{time.time() - t0:5.0f}s] compute alone: {args.ranks} ranks without communication",
+        flush=True)
+  cmds = [_worker_cmd(args, r, 1, None, "lo", HIER_WORKER_MODES, "1x1") for r in range(args.ranks)]
+  local = _run_ranks(cmds, workdir, args.timeout, "compute")
+  compute = {"summary": _summarize(local), "num_params": local[0]["num_params"],
+             "leaf_shapes": local[0]["leaf_shapes"]}
+  for mode, m in compute["summary"].items():
+    print(f"    {LABELS[mode]:38s} {m['step_s']:.3f} s/step", flush=True)
+  return compute
+
+
+def _hier_network(args, workdir: Path, t0: float) -> dict:
+  """The ranks on ``args.nodes`` namespaces; link probes, the run, the link counters."""
+  n, nodes = args.ranks, args.nodes
+  k = n // nodes
+  with _netns.Cluster(n, args.rate, ranks_per_node=k) as cluster:
+    print(f"[{time.time() - t0:5.0f}s] {nodes} nodes x {k} ranks, {args.rate} between nodes: "
+          "measuring the links", flush=True)
+    nbytes = int(min(200e6, max(20e6, _netns._rate_bits(args.rate) / 8)))
+    inter = _netns.measure_bandwidth(cluster, sys.executable, nbytes=nbytes, nodes=(0, 1))
+    local = _netns.measure_bandwidth(cluster, sys.executable, nbytes=200 * 2**20, nodes=(0, 0))
+    print(f"    between nodes {inter['goodput_Bps'] / 1e6:.1f} MB/s, rtt "
+          f"{inter['rtt_s'] * 1e6:.0f} us; inside a node {local['goodput_Bps'] / 1e6:.0f} MB/s, "
+          f"rtt {local['rtt_s'] * 1e6:.0f} us; starting {n} ranks", flush=True)
+    load = _uptime().split("load average:")[-1].strip()
+    coordinator = f"{cluster.node_address(0)}:{COORD_PORT}"
+    cmds = [cluster.exec_prefix(r) + _worker_cmd(args, r, n, coordinator, "eth0",
+                                                 HIER_WORKER_MODES, f"{nodes}x{k}")
+            for r in range(n)]
+    before = cluster.link_counters()
+    results = _run_ranks(cmds, workdir, args.timeout, f"hier-{args.rate}")
+    after = cluster.link_counters()
+  summary = _hier_summary(results, k)
+  for mode, m in summary.items():
+    print(f"    {LABELS[mode]:38s} {m['step_s']:.3f} s/step, {_fmt_bytes(m['tx_bytes'])} per "
+          f"device per step on the link, {_fmt_bytes(m['lo_tx_bytes'])} inside the node",
+          flush=True)
+  return {"label": f"{nodes} nodes x {k} ranks, {args.rate} between nodes (tc tbf), "
+                   "unshaped inside a node",
+          "short_label": args.rate, "summary": summary, "bandwidth_Bps": inter["goodput_Bps"],
+          "rtt_s": inter["rtt_s"], "local_bandwidth_Bps": local["goodput_Bps"],
+          "local_rtt_s": local["rtt_s"], "load": load, "num_ranks": n, "num_nodes": nodes,
+          "ranks_per_node": k, "num_params": results[0]["num_params"],
+          "mesh_process_ids": results[0].get("mesh_process_ids"),
+          "link_counters_total": {node: {c: after[node][c] - before[node][c] for c in after[node]}
+                                  for node in after}}
+
+
+def _hier_summary(results: list[dict], ranks_per_node: int) -> dict:
+  """_summarize per device: a node's eth0 (the link) and lo counters are shared by its ranks.
+
+  Every rank of a node reads the same counters over (nearly) the same steps, so
+  the node's bytes are the mean of its ranks' readings, and a device's share is
+  that divided by ranks_per_node. ``link_Bps``: bytes per second each node's link
+  carried outwards while the mode ran.
+  """
+  summary = _summarize(results, bytes_divisor=ranks_per_node)
+  for mode, m in summary.items():
+    lo = [_median([b["lo_tx_bytes_per_step"] for b in r["modes"][mode]["blocks"]])
+          / ranks_per_node for r in results]
+    m["lo_tx_bytes"] = sum(lo) / len(lo)
+    m["link_Bps"] = m["tx_bytes"] * ranks_per_node / m["step_s"]
+  return summary
+
+
+def _hier_predicted(num_params: int, leaf_shapes: list, n: int, nodes: int) -> dict:
+  """Bytes per device per step on the links between nodes, and what each assumes.
+
+  Hierarchical: the node-level compressed_mean of the device's 1/k slice
+  (padded / k elements over ``nodes`` nodes): compressed_wire_bytes(padded/k,
+  nodes, S). Adam: a ring all-reduce over the ranks in order crosses between
+  nodes on ``nodes`` of its n edges. Flat 1-bit: phase 1 (all_to_all) sends
+  one message to each remote peer, phase 2 (a ring all_gather, n-1 messages on
+  every edge) crosses on ``nodes`` of n edges.
+  """
+  import onebit_optax
+  layout = _layout(leaf_shapes, n)
+  k = n // nodes
+  msg = layout.padded / (8 * n) + 4 * layout.max_segments
+  remote = n - k
+  return {
+      "hier_compression": onebit_optax.compressed_wire_bytes(
+          layout.padded // k, nodes, layout.max_segments),
+      "adam": onebit_optax.allreduce_wire_bytes(num_params, n) * nodes / n,
+      "onebit_warmup": onebit_optax.allreduce_wire_bytes(layout.padded, n) * nodes / n,
+      "onebit_compression": remote * msg + (n - 1) * msg * nodes / n,
+      "padded": layout.padded, "max_segments": layout.max_segments,
+  }
+
+
+def _hier_model(run: dict, compute: dict):
+  """Alpha-beta with the *measured* bytes: compute + node's link bytes / bw + intra / intra bw."""
+  s, k = run["summary"], run["ranks_per_node"]
+  run["model"] = {}
+  for mode, m in s.items():
+    t_c = compute["summary"][mode]["step_s"]
+    t_link = m["tx_bytes"] * k / run["bandwidth_Bps"]
+    t_intra = m["lo_tx_bytes"] * k / run["local_bandwidth_Bps"]
+    run["model"][mode] = {"t": t_c + t_link + t_intra, "t_compute": t_c, "t_link": t_link,
+                          "t_intra": t_intra}
+  t_adam = run["model"]["adam"]["t"]
+  run["model"]["t_adam"] = t_adam  # (as in comm_throughput.json)
+  for mode in s:
+    run["model"][mode].update(predicted=t_adam / run["model"][mode]["t"],
+                              achieved=s["adam"]["step_s"] / s[mode]["step_s"])
+
+
+def _hier_header(args, argv, run: dict, t0: float, start_load: str) -> list[str]:
+  import jax
+  import optax
+  import onebit_optax
+  k = run["ranks_per_node"]
+  return [
+      f"# Hierarchical communication benchmark: {run['num_nodes']} nodes x {k} CPU ranks",
+      "",
+      f"Command: `python benchmarks/comm_throughput.py {' '.join(_argv(argv))}`"
+      .replace("  ", " ").rstrip() + f" (took {time.time() - t0:.0f} s).",
+      f"jax {jax.__version__}, optax {optax.__version__}, onebit_optax {onebit_optax.__version__} "
+      f"(commit {_git_commit()}); {os.cpu_count()} CPU cores shared by {run['num_ranks']} ranks "
+      f"({'pinned rank % cores' if not args.no_pin else 'not pinned'}), one XLA thread each.",
+      f"Model: embedding bag, {args.vocab:,} x {args.dim} table + 2 small dense layers = "
+      f"{run['num_params']:,} parameters; batch {args.batch} x {args.seq} tokens per rank. "
+      f"{args.repeats} repeats x {args.steps} timed steps per optimizer, after compilation.",
+      f"`uptime` at start: {start_load}",
+      f"`uptime` at end: {_uptime()}",
+      "",
+      f"Topology: {run['num_nodes']} network namespaces (nodes), {k} ranks in each; one veth per "
+      f"node into a bridge, shaped by `tc tbf` to {args.rate} in both directions; the ranks of a "
+      "node share its namespace and address and reach each other through its loopback (a "
+      "connection to a local address never leaves through eth0). 2-D mesh "
+      f"`jax.make_mesh(({run['num_nodes']}, {k}), ('node', 'local'))`, process ids by row: "
+      f"{run['mesh_process_ids']}. Measured TCP goodput between nodes "
+      f"{run['bandwidth_Bps'] / 1e6:.1f} MB/s ({run['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s), round "
+      f"trip {run['rtt_s'] * 1e6:.0f} us; inside a node "
+      f"{run['local_bandwidth_Bps'] / 1e6:.0f} MB/s, round trip {run['local_rtt_s'] * 1e6:.0f} us. Load before the run: {run['load']}.",
+      "",
+      "Modes: Adam = `optax.adam` on `pmean(grads, ('node', 'local'))`; flat 1-bit = "
+      "`onebit_adam(axis_name='data')` on the 1-D mesh of the same ranks; hierarchical 1-bit = "
+      "`onebit_adam(axis_name=('node', 'local'))` on the 2-D mesh; both 1-bit modes in the "
+      "compression phase (`fixed_step_freeze(1)`), local gradients (`local_params`).",
+  ]
+
+
+def _argv(argv) -> list[str]:
+  return list(argv if argv is not None else sys.argv[1:])
+
+
+def _hier_tables(run: dict, compute: dict, pred: dict) -> list[str]:
+  s, tc = run["summary"], compute["summary"]
+  modes = [m for m in HIER_MODES if m in s]
+  lines = ["", "## Compute alone (no communication)", "",
+           "Each rank alone on a 1x1 mesh, all at once on the same cores (a 1-device cluster "
+           "compresses the whole vector, so for 1-bit Adam this is an upper bound).", "",
+           "| step | median s/step (rank 0) | repeats min-max | x Adam |", "|---|---:|---:|---:|"]
+  lines += [f"| {LABELS[m]} | {tc[m]['step_s']:.3f} | {tc[m]['rep_min_s']:.3f}-"
+            f"{tc[m]['rep_max_s']:.3f} | {tc[m]['step_s'] / tc['adam']['step_s']:.2f} |"
+            for m in modes]
+  lines += ["", f"## {run['label']}", "",
+            "Bytes per device per step from the kernel counters: on the link = the node's eth0 "
+            f"tx_bytes / {run['ranks_per_node']}; inside the node = its lo tx_bytes / "
+            f"{run['ranks_per_node']}. Link rate: what each node's link carried outwards while "
+            "the mode ran.", "",
+            "| step | median s/step | repeats min-max | steps/s | vs Adam | vs flat 1-bit | "
+            "on the link (measured) | predicted | measured/predicted | inside the node | "
+            "link rate |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  for m in modes:
+    x = s[m]
+    lines.append(
+        f"| {LABELS[m]} | {x['step_s']:.3f} | {x['rep_min_s']:.3f}-{x['rep_max_s']:.3f} | "
+        f"{1 / x['step_s']:.2f} | {s['adam']['step_s'] / x['step_s']:.2f}x | "
+        f"{s['onebit_compression']['step_s'] / x['step_s']:.2f}x | {_fmt_bytes(x['tx_bytes'])} | "
+        f"{_fmt_bytes(pred[m])} | {x['tx_bytes'] / pred[m]:.3f} | {_fmt_bytes(x['lo_tx_bytes'])} | "
+        f"{x['link_Bps'] * 8 / 1e6:.0f} Mbit/s |")
+  return lines + _hier_model_lines(run, s, modes, pred)
+
+
+def _hier_model_lines(run: dict, s: dict, modes: list, pred: dict) -> list[str]:
+  lines = ["", f"Predicted bytes on the link per device: hierarchical `compressed_wire_bytes("
+           f"padded/{run['ranks_per_node']}, {run['num_nodes']}, S)` with padded = "
+           f"{pred['padded']:,}, S = {pred['max_segments']}; Adam a ring all-reduce over ranks in "
+           f"order ({run['num_nodes']} of its {run['num_ranks']} edges cross); flat 1-bit one "
+           "all_to_all message to each remote peer plus a ring all_gather. Totals over the whole "
+           "run on the switch ports (rx = what the node sent): " + ", ".join(
+               f"node {node} {_fmt_bytes(c['port_rx'])}"
+               for node, c in run["link_counters_total"].items()) + ".",
+           "", "Alpha-beta with the measured bytes: compute alone + the node's link bytes / "
+           "goodput between nodes + its loopback bytes / goodput inside a node.", "",
+           "| step | t_compute | + link | + inside node | model s/step | measured | measured/model |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+  for m in modes:
+    x = run["model"][m]
+    lines.append(f"| {SHORT[m]} | {x['t_compute']:.3f} | {x['t_link']:.3f} | {x['t_intra']:.3f} | "
+                 f"{x['t']:.3f} | {s[m]['step_s']:.3f} | {s[m]['step_s'] / x['t']:.0%} |")
+  return lines
+
+
+def _hier_ratios(run: dict, pred: dict) -> dict:
+  s = run["summary"]
+  h = s["hier_compression"]
+  return {"hier_vs_adam": s["adam"]["step_s"] / h["step_s"],
+          "hier_vs_flat": s["onebit_compression"]["step_s"] / h["step_s"],
+          "flat_vs_adam": s["adam"]["step_s"] / s["onebit_compression"]["step_s"],
+          "hier_link_bytes_measured_over_predicted": h["tx_bytes"] / pred["hier_compression"],
+          "flat_over_hier_link_bytes": s["onebit_compression"]["tx_bytes"] / h["tx_bytes"]}
+
+
+def _write_hier(args, argv, run: dict, compute: dict, t0: float, start_load: str):
+  pred = _hier_predicted(run["num_params"], compute["leaf_shapes"], run["num_ranks"],
+                         run["num_nodes"])
+  for mode in HIER_MODES:
+    run["summary"][mode]["predicted_link_bytes"] = pred[mode]
+  ratios = _hier_ratios(run, pred)
+  lines = _hier_header(args, argv, run, t0, start_load) + _hier_tables(run, compute, pred) + [
+      "", "## Summary", "",
+      f"- Hierarchical 1-bit Adam: {ratios['hier_vs_adam']:.2f}x Adam's throughput and "
+      f"{ratios['hier_vs_flat']:.2f}x flat 1-bit Adam's (flat: {ratios['flat_vs_adam']:.2f}x Adam).",
+      f"- On the link between nodes it sent {_fmt_bytes(run['summary']['hier_compression']['tx_bytes'])}"
+      f" per device per step, {ratios['hier_link_bytes_measured_over_predicted']:.3f}x the "
+      f"prediction, {ratios['flat_over_hier_link_bytes']:.2f}x less than flat 1-bit Adam.", ""]
+  text = "\n".join(lines)
+  print("\n" + text, flush=True)
+  out_dir = Path(args.out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  stem = args.name or "comm_throughput_hier"
+  (out_dir / f"{stem}.md").write_text(text + "\n")
+  (out_dir / f"{stem}.json").write_text(json.dumps(
+      {"runs": [run], "compute": compute, "args": vars(args), "predicted_link_bytes": pred,
+       "ratios": ratios, "command": "python benchmarks/comm_throughput.py " + " ".join(_argv(argv)),
+       "commit": _git_commit(), "wall_s": time.time() - t0, "load_start": start_load,
+       "load_end": _uptime()}, indent=1, default=str))
+  print(f"wrote {out_dir / (stem + '.md')} and .json")
 
 def _free_port() -> int:
   import socket
