@@ -29,6 +29,7 @@ from onebit_optax._accessors import variance_ratio
 from onebit_optax._accessors import wire_bytes
 from onebit_optax._sharding import init_sharded
 from onebit_optax._sharding import local_params
+from onebit_optax._sharding import model_replicated
 from onebit_optax._sharding import state_partition_specs
 from onebit_optax._status import assert_replicas_identical
 from onebit_optax._status import replicas_identical
@@ -53,6 +54,7 @@ __all__ = (
     "init_sharded",
     "is_frozen",
     "local_params",
+    "model_replicated",
     "moments",
     "onebit_adam",
     "padded_size",

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -12,7 +13,7 @@ from onebit_optax import _collective
 from onebit_optax._compressed_updates import CompressedMeanState
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 
-__all__ = ["local_params", "state_partition_specs", "init_sharded"]
+__all__ = ["local_params", "model_replicated", "state_partition_specs", "init_sharded"]
 
 
 def local_params(params, axis_name: Hashable):
@@ -60,7 +61,75 @@ def local_params(params, axis_name: Hashable):
   return jax.tree.map(cast, params)
 
 
-def state_partition_specs(opt_state, axis_name: Hashable):
+def model_replicated(new_params, params, model_axis: Hashable):
+  """Types the leaves that ``params`` holds replicated over ``model_axis`` as replicated again.
+
+  With model-parallel parameters the optimizer runs on each device's local
+  shards, all leaves in one flat buffer that differs across ``model_axis``. So
+  under ``check_vma`` its updates, and ``optax.apply_updates(params, updates)``,
+  are typed as varying over ``model_axis`` even for the leaves every model shard
+  holds whole (biases after a row-parallel layer, LayerNorm scales): their values
+  are equal on every shard (same gradients, same arithmetic, bit for bit), but
+  ``out_specs=P()`` refuses them. This gathers such leaves over ``model_axis``
+  and keeps the first copy: one exact ``all_gather(..., to='invarying')`` of
+  the replicated leaves only, concatenated (small, and over the model axis, not
+  the data axis). Leaves sharded over ``model_axis`` (varying in ``params``) and
+  leaves already typed replicated pass through unchanged, with no collective.
+
+  Args:
+    new_params: the updated parameters (inside ``shard_map``).
+    params: the parameters as the step received them (their types say which
+      leaves are replicated over ``model_axis``).
+    model_axis: the model-parallel mesh axis.
+
+  Returns:
+    ``new_params``, with the replicated leaves typed invariant over ``model_axis``.
+
+  Example:
+    >>> import functools, jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import onebit_optax
+    >>> mesh = jax.make_mesh((1,), ('model',))
+    >>> @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P('model'), P()),
+    ...                    out_specs=(P('model'), P()))
+    ... def step(w, b):
+    ...   new_b = b + jnp.sum(w)  # depends on the local shard w: typed varying over 'model'
+    ...   return onebit_optax.model_replicated((w, new_b), (w, b), 'model')
+    >>> w = jax.device_put(jnp.ones(2), jax.NamedSharding(mesh, P('model')))
+    >>> step(w, jnp.zeros(1))
+    (Array([1., 1.], dtype=float32), Array([2.], dtype=float32))
+  """
+  axes = _mesh_axes(model_axis)
+  new_leaves, treedef = jax.tree.flatten(new_params)
+  old_leaves = treedef.flatten_up_to(params)
+  # The leaves to retype: replicated in params, typed varying in new_params.
+  todo = [i for i, (new, old) in enumerate(zip(new_leaves, old_leaves))
+          if not all(a in _collective._varying_axes(old) for a in axes)
+          and any(a in _collective._varying_axes(new) for a in axes)]
+  by_dtype = {}
+  for i in todo:
+    by_dtype.setdefault(jnp.result_type(new_leaves[i]), []).append(i)
+  for indices in by_dtype.values():  # one gather per dtype, of all such leaves at once
+    flat = jnp.concatenate([jnp.ravel(new_leaves[i]) for i in indices])
+    flat = jax.lax.all_gather(flat, axes, to="invarying")[0]
+    offset = 0
+    for i in indices:
+      size = int(np.prod(np.shape(new_leaves[i])))
+      new_leaves[i] = flat[offset:offset + size].reshape(np.shape(new_leaves[i]))
+      offset += size
+  return jax.tree.unflatten(treedef, new_leaves)
+
+
+def _device_axes(axis_name: Hashable, model_axis: Optional[Hashable]):
+  """The mesh axes that number the devices holding one error buffer each, data axes first."""
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  if model_axis is not None:
+    axes += tuple(model_axis) if isinstance(model_axis, (tuple, list)) else (model_axis,)
+  return axes[0] if len(axes) == 1 else axes
+
+
+def state_partition_specs(opt_state, axis_name: Hashable,
+                          model_axis: Optional[Hashable] = None):
   """PartitionSpecs for an optimizer state holding a 1-bit Adam state.
 
   The error buffers are per device (``P(axis_name)`` on their leading axis); all
@@ -68,9 +137,32 @@ def state_partition_specs(opt_state, axis_name: Hashable):
   replicated (``P()``). Use the result as ``in_specs``/``out_specs`` of the
   training step and for ``NamedSharding``.
 
+  ``axis_name`` may be a tuple of mesh axes (hierarchical data parallelism, e.g.
+  ``('node', 'local')``, as given to the optimizer): the error buffers are then
+  sharded over all of them, ``P(('node', 'local'))``.
+
+  With ``model_axis`` (parameters sharded over a model-parallel mesh axis, the
+  optimizer built with ``model_axis=...``), each device runs the optimizer on its
+  local parameter shards, so its flat buffers hold that shard:
+
+  - ``mu`` and ``nu`` (local shape ``(padded,)``) differ across ``model_axis``
+    and are equal across ``axis_name``: ``P(model_axis)``, globally the model
+    shards' buffers one after the other;
+  - ``worker_error``/``server_error`` (local ``(1, ·)``) are per device:
+    ``P((axis_name, model_axis))``, globally one row per device, row
+    ``data_index * model_size + model_index``;
+  - scalars and ``leaf_sizes``: ``P()`` (the leaves' sizes are those of the local
+    shards, the same on every device when the shards are even).
+
+  Other transformations' state (e.g. an ``optax.partition`` branch that mirrors
+  the parameters) is given ``P()``; with model-sharded parameters such a state
+  needs the parameters' specs instead: build those specs yourself.
+
   Args:
     opt_state: the optimizer state (or its ``jax.eval_shape``).
-    axis_name: the data-parallel mesh axis.
+    axis_name: the data-parallel mesh axis (or tuple of axes).
+    model_axis: the model-parallel mesh axis the parameters are sharded over,
+      or None (parameters replicated on every device).
 
   Returns:
     A pytree of ``PartitionSpec`` with the structure of ``opt_state``.
@@ -81,34 +173,115 @@ def state_partition_specs(opt_state, axis_name: Hashable):
     >>> specs = onebit_optax.state_partition_specs(tx.init({'w': jnp.ones(3)}), 'data')
     >>> specs[0].worker_error, specs[0].count
     (P('data',), P())
+    >>> specs = onebit_optax.state_partition_specs(
+    ...     tx.init({'w': jnp.ones(3)}), 'data', model_axis='model')
+    >>> specs[0].mu, specs[0].worker_error, specs[0].count
+    (P('model',), P(('data', 'model'),), P())
+    >>> state = tx.init({'w': jnp.ones(3)})
+    >>> onebit_optax.state_partition_specs(state, ('node', 'local'))[0].server_error
+    P(('node', 'local'),)
 
   References:
     `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
   """
+  per_device = P(_device_axes(axis_name, model_axis))
+  per_model_shard = P() if model_axis is None else P(model_axis)
+
   def spec(node):
     if isinstance(node, (ScaleByOnebitAdamState, CompressedMeanState)):
       replicated = jax.tree.map(lambda _: P(), node)
-      return replicated._replace(worker_error=P(axis_name), server_error=P(axis_name))
+      node_specs = replicated._replace(worker_error=per_device, server_error=per_device)
+      if isinstance(node, ScaleByOnebitAdamState):
+        node_specs = node_specs._replace(mu=per_model_shard, nu=per_model_shard)
+      return node_specs
     return P()
   return jax.tree.map(
       spec, opt_state,
       is_leaf=lambda x: isinstance(x, (ScaleByOnebitAdamState, CompressedMeanState)))
 
 
-def state_specs_for(tx, params, mesh: Mesh, axis_name: Hashable, *, caller: str):
-  """PartitionSpecs of the state ``tx.init(params)`` makes under ``shard_map`` on ``mesh``."""
-  if axis_name not in mesh.axis_names:
+def _mesh_axes(axes) -> tuple:
+  return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, P)
+
+
+def _abstract_on(params, mesh: Mesh, param_specs):
+  """``params`` as ShapeDtypeStructs sharded on ``mesh`` by ``param_specs`` (a pytree prefix)."""
+  def leaf(x, spec):
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=NamedSharding(mesh, spec))
+  return jax.tree.map(lambda spec, sub: jax.tree.map(lambda x: leaf(x, spec), sub),
+                      param_specs, params, is_leaf=_is_spec)
+
+
+def _check_axes(mesh: Mesh, axis_name, model_axis, caller: str) -> None:
+  """Both axes are axes of ``mesh``, and they do not overlap."""
+  for name, axes in (("axis_name", axis_name), ("model_axis", model_axis)):
+    if axes is None and name == "model_axis":
+      continue
+    missing = [a for a in _mesh_axes(axes) if a not in mesh.axis_names]
+    if missing:
+      what = ("the data-parallel axis the optimizer was built with" if name == "axis_name"
+              else "the mesh axis the parameters are sharded over")
+      raise ValueError(
+          f"{caller}: {name}={axes!r} is not an axis of the mesh "
+          f"{dict(mesh.shape)}; pass {what}.")
+  if model_axis is not None and set(_mesh_axes(model_axis)) & set(_mesh_axes(axis_name)):
     raise ValueError(
-        f"{caller}: axis_name={axis_name!r} is not an axis of the mesh "
-        f"{dict(mesh.shape)}; pass the data-parallel axis the optimizer was built with.")
+        f"{caller}: model_axis={model_axis!r} overlaps axis_name={axis_name!r}; the "
+        "parameters are sharded over the model axis and replicated over the data axis.")
+
+
+def state_specs_for(tx, params, mesh: Mesh, axis_name: Hashable, *, caller: str,
+                    param_specs=None, model_axis: Optional[Hashable] = None):
+  """PartitionSpecs of the state ``tx.init(params)`` makes under ``shard_map`` on ``mesh``."""
+  _check_axes(mesh, axis_name, model_axis, caller)
+  if param_specs is None:
+    param_specs = P()
+  else:
+    # Abstract params that carry their sharding: under a mesh with explicit axes,
+    # shard_map checks its in_specs against the arguments' shardings.
+    params = _abstract_on(params, mesh, param_specs)
   # One abstract trace with replicated outputs gives the state's structure; the
   # specs then say which leaves are per device.
   abstract = jax.eval_shape(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False), params)
-  return state_partition_specs(abstract, axis_name)
+      jax.shard_map(tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=P(),
+                    check_vma=False), params)
+  return state_partition_specs(abstract, axis_name, model_axis)
 
 
-def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
+def _spec_axes(param_specs) -> set:
+  """The mesh axes named anywhere in a pytree (prefix) of PartitionSpecs."""
+  axes = set()
+  for spec in jax.tree.leaves(param_specs, is_leaf=_is_spec):
+    for entry in spec if isinstance(spec, P) else ():
+      if entry is not None:
+        axes.update(_mesh_axes(entry))
+  return axes
+
+
+def _check_param_specs(param_specs, axis_name, model_axis, caller: str) -> None:
+  named = _spec_axes(param_specs)
+  on_data = named & set(_mesh_axes(axis_name))
+  if on_data:
+    raise ValueError(
+        f"{caller}: param_specs shard the parameters over {sorted(on_data)}, the "
+        f"data-parallel axis ({axis_name!r}): with 1-bit Adam the parameters are "
+        "replicated over the data axis (each data replica holds the whole model, or its "
+        "model shard) and only the batch is split over it.")
+  other = named - set(_mesh_axes(model_axis) if model_axis is not None else ())
+  if other:
+    raise ValueError(
+        f"{caller}: param_specs shard the parameters over {sorted(other)}, but "
+        f"model_axis={model_axis!r}. Pass the model-parallel axis as model_axis= (here "
+        f"and to onebit_adam(..., model_axis=...)).")
+
+
+def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data", *,
+                 param_specs=None, model_axis: Optional[Hashable] = None):
   """Runs ``tx.init(params)`` under ``shard_map`` and returns a correctly sharded state.
 
   The 1-bit Adam state needs the size of the data-parallel axis (to pad and
@@ -116,11 +289,22 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
   the mapped region. This does that: per-device buffers come out sharded over
   ``axis_name`` (global leading axis = number of devices), the rest replicated.
 
+  For a data × model mesh, pass the parameters' ``param_specs`` (a pytree, or
+  prefix, of ``PartitionSpec`` naming only ``model_axis``) and ``model_axis``:
+  ``init`` then runs on each device's local shards, and the state comes out as
+  :func:`state_partition_specs` with ``model_axis`` says (moments per model
+  shard, error buffers per device).
+
   Args:
     tx: the optimizer (any optax transformation containing 1-bit Adam).
-    params: the parameter pytree (replicated values).
+    params: the parameter pytree (global arrays; replicated values without
+      ``param_specs``).
     mesh: the device mesh.
     axis_name: the data-parallel axis of ``mesh`` given to the optimizer.
+    param_specs: the parameters' ``PartitionSpec`` s over ``model_axis`` (None:
+      replicated).
+    model_axis: the model-parallel axis of ``mesh`` given to the optimizer, or
+      None.
 
   Returns:
     The optimizer state, placed on ``mesh``.
@@ -133,15 +317,33 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
     >>> state[0].worker_error.shape  # (devices, padded size: whole blocks of 128)
     (1, 128)
 
+    A (data, model) mesh with a column-sharded matrix (on 1 × 1 devices here):
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((1, 1), ('data', 'model'))
+    >>> state = onebit_optax.init_sharded(
+    ...     tx, {'w': jnp.ones((4, 6))}, mesh, 'data',
+    ...     param_specs={'w': P(None, 'model')}, model_axis='model')
+    >>> state[0].mu.sharding.spec[0], state[0].worker_error.sharding.spec[0]
+    ('model', ('data', 'model'))
+
   References:
     `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
   """
-  specs = state_specs_for(tx, params, mesh, axis_name, caller="init_sharded")
+  caller = "init_sharded"
+  _check_axes(mesh, axis_name, model_axis, caller)
+  if param_specs is not None:
+    _check_param_specs(param_specs, axis_name, model_axis, caller)
+  specs = state_specs_for(tx, params, mesh, axis_name, caller=caller,
+                          param_specs=param_specs, model_axis=model_axis)
   # Host arrays are cast to their JAX dtype first: on a multi-process mesh,
   # device_put checks that every process passed the same value by comparing the
   # host array with the device copies, which fails for float64 numpy with x64 off.
   params = jax.tree.map(
       lambda x: np.asarray(x, jax.dtypes.canonicalize_dtype(np.asarray(x).dtype))
       if isinstance(x, (np.ndarray, np.generic, float, int)) else x, params)
-  params = jax.device_put(params, NamedSharding(mesh, P()))
-  return jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+  in_specs = P() if param_specs is None else param_specs
+  params = jax.device_put(params, jax.tree.map(
+      lambda spec: NamedSharding(mesh, spec), in_specs, is_leaf=_is_spec))
+  return jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(in_specs,),
+                               out_specs=specs))(params)
