@@ -65,7 +65,12 @@ def axis_size(axis_name: AxisName, *, caller: str = "onebit_optax") -> int:
         "and tx.update inside jax.shard_map(..., mesh=mesh) or jax.pmap(..., "
         f"axis_name={axis_name!r}) (for shard_map, onebit_optax.init_sharded(tx, "
         "params, mesh) does the init for you). For a single device without a "
-        "mesh, build the optimizer with axis_name=None.") from e
+        "mesh, build the optimizer with axis_name=None. Under plain jax.jit with "
+        "sharding annotations (no shard_map) there are no per-device gradients: XLA "
+        "all-reduces them in float32 in the backward pass, leaving nothing for 1-bit "
+        "compression to save; put the training step inside jax.shard_map (README: "
+        "'Recipe: jax.shard_map', and 'Data × model meshes' for parameters sharded "
+        "over a model axis).") from e
 
 
 def _varying_axes(x) -> frozenset:
