@@ -10,6 +10,8 @@ from onebit_optax._collective import allreduce_wire_bytes
 from onebit_optax._collective import compressed_mean
 from onebit_optax._compressed_updates import compressed_mean_updates
 from onebit_optax._compressed_updates import CompressedMeanState
+from onebit_optax._compressed_updates import compressed_trace
+from onebit_optax._compressed_updates import CompressedTraceState
 from onebit_optax._collective import compressed_wire_bytes
 from onebit_optax._compressor import padded_size
 from onebit_optax._compressor import sign_compress
@@ -47,6 +49,8 @@ __all__ = (
     "compressed_mean",
     "compressed_mean_updates",
     "CompressedMeanState",
+    "compressed_trace",
+    "CompressedTraceState",
     "compressed_wire_bytes",
     "fixed_step_freeze",
     "FixedStepFreeze",

@@ -11,7 +11,8 @@ import optax
 from onebit_optax import _collective
 from onebit_optax import _layout
 
-__all__ = ["CompressedMeanState", "compressed_mean_updates"]
+__all__ = ["CompressedMeanState", "CompressedTraceState", "compressed_mean_updates",
+           "compressed_trace"]
 
 
 class CompressedMeanState(NamedTuple):
@@ -62,7 +63,10 @@ def compressed_mean_updates(
   is what makes Adam's preconditioner compatible with error feedback.) On raw
   gradients it trains, but worse than the float32 mean in our test
   (tests/test_compressed_updates.py, a digits MLP on 8 devices with momentum
-  0.9, lr 0.1: final loss 0.144 against 0.038).
+  0.9, lr 0.1: final loss 0.144 against 0.038): the noisy gradients' signs
+  disagree across devices, and the server's error feedback then carries more
+  than it corrects (resetting the server error every step gives 0.041). For
+  momentum SGD, compress the momentum: :func:`compressed_trace`.
 
   Args:
     axis_name: the data-parallel axis of ``shard_map``/``pmap``, or a pair
@@ -126,5 +130,86 @@ def compressed_mean_updates(
         server_error=server_error[None].astype(error_dtype),
         wire_bytes=jnp.float32(
             _collective.step_wire_bytes(layout, axis_name, compressed=True)))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class CompressedTraceState(NamedTuple):
+  """State for :func:`compressed_trace`: the averaged momentum and the compressor's errors.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> state = onebit_optax.compressed_trace(0.9, None).init({'w': jnp.ones(3)})
+    >>> state.trace['w'].shape, state.mean.worker_error.shape
+    ((3,), (1, 128))
+  """
+
+  trace: Any  # shaped like the params, float32: the momentum, identical on every device.
+  mean: CompressedMeanState  # the per-device error buffers of the compressed mean.
+
+
+def compressed_trace(
+    decay: float,
+    axis_name: Optional[Hashable],
+    *,
+    error_dtype: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  r""":func:`optax.trace` whose momentum is averaged across devices in 1 bit.
+
+  Each device folds its *local* gradient into the shared momentum, and the
+  results are averaged by the error-compensated 1-bit mean
+  (:func:`compressed_mean_updates`), which every device decodes identically:
+
+  .. math::
+
+    m_t = \mathrm{compressed\_mean}_i\big(\beta\, m_{t-1} + g_{i,t}\big)
+      \approx \beta\, m_{t-1} + \frac1n \sum_i g_{i,t}.
+
+  This is 1-bit Adam's compression phase without the preconditioner: the
+  momentum, not the gradient, goes through the compressor. The momenta of the
+  devices differ only by the new gradients, so their signs mostly agree, and
+  the two-sided error feedback corrects what the compressor loses. With it,
+  ``optax.chain(compressed_trace(0.9, 'data'), optax.scale(-lr))`` is
+  error-feedback 1-bit momentum SGD; on a digits MLP on 8 devices it ends within
+  a few percent of float32 momentum SGD at every learning rate we tried, where
+  compressing the gradients before ``optax.trace`` does not
+  (tests/test_compressed_updates.py).
+
+  Args:
+    decay: the momentum decay :math:`\beta`, as in :func:`optax.trace`.
+    axis_name: the data-parallel axis (or a ``(slow, fast)`` pair), or None.
+    error_dtype: storage dtype of the error buffers (None: float32).
+
+  Returns:
+    A :class:`optax.GradientTransformationExtraArgs`. Under ``shard_map``, make
+    its state with :func:`init_sharded` and shard it with
+    :func:`state_partition_specs` (the momentum is replicated).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, onebit_optax
+    >>> tx = optax.chain(onebit_optax.compressed_trace(0.9, None), optax.scale(-0.1))
+    >>> state = tx.init({'w': jnp.zeros(3)})
+    >>> updates, state = tx.update({'w': jnp.array([1.0, -2.0, 3.0])}, state)
+    >>> updates['w']
+    Array([-0.216..., 0.216..., -0.216...], dtype=float32)
+
+  References:
+    Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, ICML 2021
+    (the compression phase);
+    Karimireddy et al., `Error Feedback Fixes SignSGD and other Gradient
+    Compression Schemes <https://arxiv.org/abs/1901.09847>`_, ICML 2019.
+  """
+  inner = compressed_mean_updates(axis_name, error_dtype=error_dtype)
+
+  def init_fn(params):
+    trace = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    return CompressedTraceState(trace=trace, mean=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    local = jax.tree.map(lambda g, m: g.astype(jnp.float32) + decay * m, updates, state.trace)
+    trace, mean_state = inner.update(local, state.mean)
+    out = jax.tree.map(lambda m, g: m.astype(jnp.result_type(g)), trace, updates)
+    return out, CompressedTraceState(trace=trace, mean=mean_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

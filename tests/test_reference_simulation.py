@@ -435,3 +435,35 @@ def test_compressed_mean_updates_matches_the_simulated_allreduce():
   # Inputs are fed identically to both sides every step, so the two differ only
   # by a few ulps: a sign decision is safe above ~1e-7 of its scale.
   assert sim.min_sign_margin > 1e-7, sim.min_sign_margin
+
+
+def test_compressed_trace_matches_the_simulated_momentum():
+  """compressed_trace on 8 devices: m = allreduce_1bit(decay * m + g_i), as the numpy workers do it."""
+  rng = np.random.default_rng(5)
+  decay = 0.9
+  mesh = jax.make_mesh((N,), ("data",))
+  tx = onebit_optax.compressed_trace(decay, "data")
+  template = {"w": np.zeros((FEATURES, OUTPUTS), np.float32), "b": np.zeros(OUTPUTS, np.float32)}
+  state = onebit_optax.init_sharded(tx, template, mesh)
+  specs = onebit_optax.state_partition_specs(state, "data")
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P("data"), P("data")),
+                     out_specs=(P(), specs))
+  def step(state, w, b):
+    return tx.update({"w": w[0], "b": b[0]}, state)
+
+  sim = _Simulation(np.zeros(SIZE, np.float32), None, None, 0.9, 0.999)
+  momentum = np.zeros(SIZE, np.float32)
+  data = NamedSharding(mesh, P("data"))
+  for t in range(6):
+    w = rng.normal(size=(N, FEATURES, OUTPUTS)).astype(np.float32) + 0.3 * t
+    b = rng.normal(size=(N, OUTPUTS)).astype(np.float32)
+    out, state = step(state, jax.device_put(w, data), jax.device_put(b, data))
+    local = np.stack([_flatten(w[i], b[i]) for i in range(N)]) + np.float32(decay) * momentum
+    momentum = sim._compressed_allreduce(_pad(local))[POSITION]
+    expected_w, expected_b = _unflatten(momentum)
+    _close(out["w"], expected_w, 1e-5, f"w at step {t}")
+    _close(out["b"], expected_b, 1e-5, f"b at step {t}")
+    _close(state.trace["w"], expected_w, 1e-5, f"trace at step {t}")
+  assert sim.min_sign_margin > 1e-7, sim.min_sign_margin
