@@ -403,11 +403,8 @@ def test_replicas_bitwise_identical_after_100_compression_steps():
 # The standalone transform: the same two-phase compressed mean, on raw updates.
 
 
-def test_compressed_mean_updates_matches_the_simulated_allreduce():
-  """compressed_mean_updates on 8 devices = the numpy workers' compressed allreduce, step by step."""
-  rng = np.random.default_rng(3)
-  mesh = jax.make_mesh((N,), ("data",))
-  tx = onebit_optax.compressed_mean_updates("data")
+def _updates_on_8_devices(tx, mesh):
+  """The state of ``tx`` for the (w, b) model, and a jitted update of 8 devices' local (w, b)."""
   template = {"w": np.zeros((FEATURES, OUTPUTS), np.float32), "b": np.zeros(OUTPUTS, np.float32)}
   state = onebit_optax.init_sharded(tx, template, mesh)
   specs = onebit_optax.state_partition_specs(state, "data")
@@ -417,6 +414,15 @@ def test_compressed_mean_updates_matches_the_simulated_allreduce():
                      out_specs=(P(), specs))
   def step(state, w, b):
     return tx.update({"w": w[0], "b": b[0]}, state)
+
+  return state, step
+
+
+def test_compressed_mean_updates_matches_the_simulated_allreduce():
+  """compressed_mean_updates on 8 devices = the numpy workers' compressed allreduce, step by step."""
+  rng = np.random.default_rng(3)
+  mesh = jax.make_mesh((N,), ("data",))
+  state, step = _updates_on_8_devices(onebit_optax.compressed_mean_updates("data"), mesh)
 
   sim = _Simulation(np.zeros(SIZE, np.float32), None, None, 0.9, 0.999)
   for t in range(6):
@@ -442,16 +448,7 @@ def test_compressed_trace_matches_the_simulated_momentum():
   rng = np.random.default_rng(5)
   decay = 0.9
   mesh = jax.make_mesh((N,), ("data",))
-  tx = onebit_optax.compressed_trace(decay, "data")
-  template = {"w": np.zeros((FEATURES, OUTPUTS), np.float32), "b": np.zeros(OUTPUTS, np.float32)}
-  state = onebit_optax.init_sharded(tx, template, mesh)
-  specs = onebit_optax.state_partition_specs(state, "data")
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs, P("data"), P("data")),
-                     out_specs=(P(), specs))
-  def step(state, w, b):
-    return tx.update({"w": w[0], "b": b[0]}, state)
+  state, step = _updates_on_8_devices(onebit_optax.compressed_trace(decay, "data"), mesh)
 
   sim = _Simulation(np.zeros(SIZE, np.float32), None, None, 0.9, 0.999)
   momentum = np.zeros(SIZE, np.float32)
