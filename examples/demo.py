@@ -43,6 +43,10 @@ def _parse_args(argv):
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--devices", type=int, default=8,
                       help="size of the data-parallel mesh (simulated CPU devices)")
+  parser.add_argument("--nodes", type=int, default=1,
+                      help="split the devices into this many simulated nodes: 1-bit Adam then "
+                      "averages in float32 inside a node and in 1 bit between nodes "
+                      "(axis_name=('node', 'local')); 1 (default) is flat")
   parser.add_argument("--optimizer", choices=("both", "adam", "onebit"), default="both")
   parser.add_argument("--steps", type=int, default=1000, help="training steps per optimizer")
   parser.add_argument("--batch", type=int, default=256,
@@ -107,6 +111,11 @@ from tqdm import tqdm  # noqa: E402
 import onebit_optax  # noqa: E402
 
 AXIS = "data"
+
+
+def data_axes(mesh):
+  """The optimizer's ``axis_name``: ``'data'``, or ``('node', 'local')`` (hierarchical)."""
+  return tuple(mesh.axis_names) if len(mesh.axis_names) == 2 else AXIS
 # How many steps the host may queue ahead of the devices. Some lookahead hides
 # the Python loop behind the computation, but not much: XLA's CPU runtime
 # launches every device's program from one shared pool of (here) one thread per
@@ -188,13 +197,13 @@ def loss_fn(params, x, y):
 # ----------------------------------------------------------------------- training
 
 
-def make_optimizer(name: str, schedule, args, lr_warmup: int):
+def make_optimizer(name: str, schedule, args, lr_warmup: int, axes=AXIS):
   """Returns ``(tx, freeze_policy, freeze_description)``."""
   if name == "adam":
     return optax.adam(schedule), None, "-"
   if args.freeze_step is not None:
     freeze = onebit_optax.fixed_step_freeze(args.freeze_step)
-    return (onebit_optax.onebit_adam(schedule, axis_name=AXIS, freeze=freeze), freeze,
+    return (onebit_optax.onebit_adam(schedule, axis_name=axes, freeze=freeze), freeze,
             f"fixed: after step {args.freeze_step}")
   # The policy's default interval is 1/(1-b2) = 1000 steps, the averaging window
   # of v for b2 = 0.999: right for a long pretraining run, but longer than this
@@ -208,48 +217,53 @@ def make_optimizer(name: str, schedule, args, lr_warmup: int):
   # seen while the LR ramps up is not the one of the rest of the run.
   interval = args.freeze_interval or max(1, args.steps // 20)
   freeze = onebit_optax.variance_ratio_freeze(min_steps=lr_warmup, interval=interval)
-  return (onebit_optax.onebit_adam(schedule, axis_name=AXIS, freeze=freeze), freeze,
+  return (onebit_optax.onebit_adam(schedule, axis_name=axes, freeze=freeze), freeze,
           f"variance ratio: every {interval} steps from step "
           f"{max(lr_warmup, 2 * interval)}, freeze when in [0.96, 1/0.96]")
 
 
 def make_step(tx, mesh, state_specs, onebit: bool, num_params: int):
   """The jitted data-parallel step: ``(params, state, x, y) -> (params, state, loss, bytes)``."""
-  n = mesh.shape[AXIS]
-  adam_bytes = onebit_optax.allreduce_wire_bytes(num_params, n)
+  axes = data_axes(mesh)
+  # Bytes over the slow (or only) axis: with nodes, plain Adam would all-reduce
+  # its 1/L slice across the nodes after a reduce-scatter inside each node.
+  local = mesh.shape["local"] if isinstance(axes, tuple) else 1
+  adam_bytes = onebit_optax.allreduce_wire_bytes(num_params / local, mesh.size // local)
 
   @jax.jit
   @functools.partial(
       jax.shard_map, mesh=mesh,
-      in_specs=(P(), state_specs, P(AXIS), P(AXIS)),
+      in_specs=(P(), state_specs, P(axes), P(axes)),
       out_specs=(P(), state_specs, P(), P()))
   def step(params, opt_state, x, y):
     # local_params: without it, grad w.r.t. replicated params would all-reduce
     # the gradients in the backward pass, before the optimizer sees them.
-    loss, grads = jax.value_and_grad(loss_fn)(onebit_optax.local_params(params, AXIS), x, y)
+    loss, grads = jax.value_and_grad(loss_fn)(onebit_optax.local_params(params, axes), x, y)
     if onebit:
       updates, opt_state = tx.update(grads, opt_state, params)
       sent = onebit_optax.wire_bytes(opt_state)
     else:
       # Plain data-parallel Adam: one float32 all-reduce of the gradients.
-      grads = jax.lax.pmean(grads, AXIS)
+      grads = jax.lax.pmean(grads, axes)
       updates, opt_state = tx.update(grads, opt_state, params)
       sent = jnp.float32(adam_bytes)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, jax.lax.pmean(loss, AXIS), sent
+    return params, opt_state, jax.lax.pmean(loss, axes), sent
 
   return step
 
 
 def make_eval(mesh):
+  axes = data_axes(mesh)
+
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(axes), P(axes)),
                      out_specs=(P(), P()))
   def evaluate(params, x, y):
     logits = logits_fn(params, x)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
-    return jax.lax.pmean(loss, AXIS), jax.lax.pmean(accuracy, AXIS)
+    return jax.lax.pmean(loss, axes), jax.lax.pmean(accuracy, axes)
 
   return evaluate
 
@@ -261,17 +275,18 @@ def train(name: str, args, mesh, data, lr_warmup: int):
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=lr_warmup, decay_steps=args.steps,
       end_value=0.05 * args.lr)
-  tx, freeze, freeze_desc = make_optimizer(name, schedule, args, lr_warmup)
+  axes = data_axes(mesh)
+  tx, freeze, freeze_desc = make_optimizer(name, schedule, args, lr_warmup, axes)
 
   replicated = NamedSharding(mesh, P())
-  sharded = NamedSharding(mesh, P(AXIS))
+  sharded = NamedSharding(mesh, P(axes))
   params = init_params(jax.random.key(args.seed), vocab, args.context, args.hidden)
   params = jax.device_put(params, replicated)
   num_params = sum(p.size for p in jax.tree.leaves(params))
   # init_sharded runs tx.init inside shard_map: 1-bit Adam needs the mesh size
   # and one error buffer per device; for optax.adam it simply replicates.
-  opt_state = onebit_optax.init_sharded(tx, params, mesh, AXIS)
-  state_specs = onebit_optax.state_partition_specs(opt_state, AXIS)
+  opt_state = onebit_optax.init_sharded(tx, params, mesh, axes)
+  state_specs = onebit_optax.state_partition_specs(opt_state, axes)
   step = make_step(tx, mesh, state_specs, onebit, num_params)
 
   batches = np.random.default_rng(args.seed + 1)  # same batches for both optimizers
@@ -465,7 +480,14 @@ def main(argv=None) -> int:
     sys.exit(f"--devices {args.devices} but jax sees {available} devices; XLA_FLAGS="
              f"{os.environ.get('XLA_FLAGS', '')!r} already fixes the count. Unset it or "
              "pass a matching --devices.")
-  mesh = jax.make_mesh((args.devices,), (AXIS,), devices=jax.devices()[:args.devices])
+  if args.nodes < 1 or args.devices % args.nodes:
+    sys.exit(f"--nodes {args.nodes} must divide --devices {args.devices}.")
+  devices = jax.devices()[:args.devices]
+  if args.nodes == 1:
+    mesh = jax.make_mesh((args.devices,), (AXIS,), devices=devices)
+  else:  # hierarchical: float32 inside a node, 1 bit between nodes
+    mesh = jax.make_mesh((args.nodes, args.devices // args.nodes), ("node", "local"),
+                         devices=devices)
   lr_warmup = args.lr_warmup if args.lr_warmup is not None else max(1, args.steps // 20)
   data = load_corpus(args.context)
   print(f"pydoc_data.topics: {len(data[0]):,} train / {len(data[1]):,} val characters, "

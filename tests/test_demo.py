@@ -122,3 +122,21 @@ def test_a_run_that_never_froze_says_why(tmp_path):
   assert "never froze in 12 steps" in line
   assert "first variance-ratio check that can freeze is at step 200" in line
   assert (tmp_path / "f.png").stat().st_size > 10_000
+
+
+def test_hierarchical_demo_counts_the_bytes_between_nodes(tmp_path):
+  # 2 simulated nodes of 4: float32 inside a node, 1 bit between the nodes, on a
+  # quarter of the flat buffer per device (see README, hierarchical averaging).
+  output = _run_demo("--nodes", "2", "--steps", "16", "--freeze-step", "6",
+                     "--figure", str(tmp_path / "f.png"), "--check-replicas-every", "5")
+  num_params = int(re.search(r"^([\d,]+) parameters", output, re.M)[1].replace(",", ""))
+  sizes = _leaf_sizes(int(re.search(r"vocabulary (\d+)", output)[1]))
+  nodes, local = 2, DEVICES // 2
+  quarter = _flat.padded(sizes, DEVICES) / local
+  full_adam, full_onebit = (_bytes(c) for c in _row(output, "bytes/device/step, full precision"))
+  assert full_adam == pytest.approx(2 * (nodes - 1) / nodes * num_params / local * 4, rel=1e-3)
+  assert full_onebit == pytest.approx(2 * (nodes - 1) / nodes * quarter * 4, rel=1e-3)
+  onebit = 2 * (nodes - 1) * (quarter / (8 * nodes) + 4 * _flat.max_segments(sizes, DEVICES))
+  assert _bytes(_row(output, "bytes/device/step, 1-bit phase")[1]) == pytest.approx(
+      onebit, rel=1e-3)
+  assert all(math.isfinite(float(c)) for c in _row(output, "final train loss")[:2])
