@@ -306,7 +306,8 @@ def _rank(args):
                                                 first_step_s=out["warmup"]["first_step_s"])
 
   if args.profile:
-    results["profile"] = _profile_collectives(args, flat, bench.shapes)
+    results["profile"] = (_profile_collectives(args, flat, bench.shapes) if mesh2 is None
+                          else _profile_hier(args, mesh2, flat, bench.shapes))
 
   with open(args.out, "w") as f:
     json.dump(results, f)
@@ -384,6 +385,83 @@ def _profile_collectives(args, mesh, shapes):
       times.append(time.perf_counter() - t)
     out[name] = float(np.median(times))
   return out
+
+
+def _profile_hier(args, mesh, flat, shapes):
+  """Times the pieces of a hierarchical step on the 2-D mesh (rank 0, median of repeats).
+
+  The float32 reduce-scatter over 'local' of the padded buffer (each device
+  keeps its node's mean of a 1/L slice), the uint8 all_to_all and all_gather
+  over 'node' and the uint8 all_gather over 'local' (message sizes as in the
+  optimizer), one scalar psum over each axis (the latency of a collective on a
+  sub-axis), compressed_mean over ('node', 'local') as a whole, and flat
+  compressed_mean over 'data' on the 1-D mesh of the same ranks.
+  """
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import onebit_optax
+  from onebit_optax import _layout  # the optimizer's flat layout (private)
+
+  n, (nodes, local) = args.num_ranks, mesh.devices.shape
+  layout = _layout.layout_for(shapes, n)
+  d, ax = layout.padded, ("node", "local")
+  row = layout.chunk // 8 + 4 * layout.max_segments  # packed signs + float32 scales
+
+  def per_device(m, spec, shape, dtype, key):
+    fn = lambda: jax.random.normal(jax.random.key(key), (n * shape[0],) + shape[1:]).astype(dtype)
+    return jax.jit(fn, out_shardings=NamedSharding(m, spec))()
+
+  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P(ax), out_specs=P(ax))
+  x = per_device(mesh, P(ax), (d,), jnp.float32, 1)
+  rows = per_device(mesh, P(ax), (nodes, row), jnp.uint8, 2)
+  msg = per_device(mesh, P(ax), (row,), jnp.uint8, 3)
+  big = per_device(mesh, P(ax), (nodes * row,), jnp.uint8, 4)
+  one = per_device(mesh, P(ax), (1,), jnp.float32, 5)
+  # Worker error: the device's 1/L slice; server error: one chunk.
+  errs = (per_device(mesh, P(ax), (d // local,), jnp.float32, 6) * 0,
+          per_device(mesh, P(ax), (layout.chunk,), jnp.float32, 7) * 0)
+  hier = jax.jit(jax.shard_map(
+      lambda v, e: (lambda m, a, b: (m[None], (a, b)))(
+          *onebit_optax.compressed_mean(v, e[0], e[1], ax, layout=layout)),
+      mesh=mesh, in_specs=(P(ax), P(ax)), out_specs=(P(ax), P(ax))))
+  fx = per_device(flat, P("data"), (d,), jnp.float32, 8)
+  ferrs = (per_device(flat, P("data"), (d,), jnp.float32, 9) * 0,
+           per_device(flat, P("data"), (layout.chunk,), jnp.float32, 10) * 0)
+  flat_cm = jax.jit(jax.shard_map(
+      lambda v, e: (lambda m, a, b: (m[None], (a, b)))(
+          *onebit_optax.compressed_mean(v, e[0], e[1], "data", layout=layout)),
+      mesh=flat, in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data"))))
+  cases = {
+      "psum_scatter f32 over 'local' (padded buffer)": (
+          jax.jit(smap(lambda v: jax.lax.psum_scatter(v, "local", tiled=True))), (x,)),
+      "all_to_all uint8 over 'node'": (
+          jax.jit(smap(lambda r: jax.lax.all_to_all(r, "node", 0, 0, tiled=True))), (rows,)),
+      "all_gather uint8 over 'node'": (
+          jax.jit(smap(lambda m: jax.lax.all_gather(m, "node").reshape(-1))), (msg,)),
+      "all_gather uint8 over 'local'": (
+          jax.jit(smap(lambda m: jax.lax.all_gather(m, "local").reshape(-1))), (big,)),
+      "psum of one float over 'local'": (jax.jit(smap(lambda v: jax.lax.psum(v, "local"))), (one,)),
+      "psum of one float over 'node'": (jax.jit(smap(lambda v: jax.lax.psum(v, "node"))), (one,)),
+      "compressed_mean over ('node', 'local')": (hier, (x, errs)),
+      "compressed_mean over 'data' (flat, same ranks)": (flat_cm, (fx, ferrs)),
+  }
+  return {name: _median_time(fn, fargs, args.profile_repeats) for name, (fn, fargs) in cases.items()}
+
+
+def _median_time(fn, fargs, repeats: int) -> float:
+  import jax
+  import numpy as np
+  jax.block_until_ready(fn(*fargs))
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*fargs))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
 
 
 def main(argv=None):

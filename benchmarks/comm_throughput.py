@@ -576,6 +576,7 @@ def _hier_network(args, workdir: Path, t0: float) -> dict:
           "local_rtt_s": local["rtt_s"], "load": load, "num_ranks": n, "num_nodes": nodes,
           "ranks_per_node": k, "num_params": results[0]["num_params"],
           "mesh_process_ids": results[0].get("mesh_process_ids"),
+          "profile": results[0].get("profile"),
           "link_counters_total": {node: {c: after[node][c] - before[node][c] for c in after[node]}
                                   for node in after}}
 
@@ -726,6 +727,10 @@ def _hier_model_lines(run: dict, s: dict, modes: list, pred: dict) -> list[str]:
     x = run["model"][m]
     lines.append(f"| {SHORT[m]} | {x['t_compute']:.3f} | {x['t_link']:.3f} | {x['t_intra']:.3f} | "
                  f"{x['t']:.3f} | {s[m]['step_s']:.3f} | {s[m]['step_s'] / x['t']:.0%} |")
+  if run.get("profile"):
+    lines += ["", f"Collectives and compressed_mean on their own ({run['num_params']:,} float32 "
+              "per device; rank 0, median of repeats):", "", "| operation | s |", "|---|---:|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in run["profile"].items()]
   return lines
 
 
