@@ -73,7 +73,15 @@ def _adam_nu_hat_l1(opt_state, b2: float):
 
 
 class Runner:
-  """Compiles a task's training chunk once per optimizer kind and runs it."""
+  """Compiles a task's training chunk once per optimizer kind and runs it.
+
+  A subclass adds kinds (benchmarks/digits_gap.py): it extends ``kinds``, and
+  ``replicated_kinds`` for an optax optimizer on the ``pmean`` gradient whose
+  state is replicated (its ``make_tx`` and ``_train_step`` handle the rest).
+  """
+
+  kinds = KINDS
+  replicated_kinds = ("adamw", "naive")
 
   def __init__(self, task, mesh, b2: float = 0.999):
     self.task, self.mesh, self.b2 = task, mesh, b2
@@ -106,7 +114,7 @@ class Runner:
 
   def _init(self, kind: str, params):
     tx = self.make_tx(kind)
-    if kind in ("adamw", "naive"):
+    if kind in self.replicated_kinds:
       opt_state = jax.device_put(tx.init(params), NamedSharding(self.mesh, P()))
       opt_specs = jax.tree.map(lambda _: P(), opt_state)
     else:
@@ -223,7 +231,7 @@ class Runner:
 
   def run(self, kind: str, lr: float, seed: int, freeze_at: int = 1) -> dict:
     """Trains ``task.steps`` steps; returns the curves and the final validation loss."""
-    assert kind in KINDS, kind
+    assert kind in self.kinds, kind
     task, mesh = self.task, self.mesh
     wall0 = time.time()
     params = jax.device_put(task.init_params(jax.random.key(seed)), NamedSharding(mesh, P()))
