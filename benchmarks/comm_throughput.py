@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python benchmarks/comm_throughput.py            # 1 Gbit/s links
     sudo .venv/bin/python benchmarks/comm_throughput.py --rates    # + 100 Mbit/s and 10 Gbit/s
-    sudo .venv/bin/python benchmarks/comm_throughput.py --hier     # 2 nodes x 2 ranks (~4 min)
+    sudo .venv/bin/python benchmarks/comm_throughput.py --hier --profile  # 2 nodes x 2 ranks (~6 min)
 
 Not a test (CI does not run it): it needs root for network namespaces and takes
 minutes. What it does:
@@ -731,6 +731,38 @@ def _hier_model_lines(run: dict, s: dict, modes: list, pred: dict) -> list[str]:
     lines += ["", f"Collectives and compressed_mean on their own ({run['num_params']:,} float32 "
               "per device; rank 0, median of repeats):", "", "| operation | s |", "|---|---:|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in run["profile"].items()]
+    lines += ["", _reduce_scatter_note(run)]
+  return lines
+
+
+def _reduce_scatter_note(run: dict) -> str:
+  """The intra-node float32 reduce-scatter, measured alone, against the loopback probe."""
+  t = next((v for k, v in run["profile"].items() if k.startswith("psum_scatter")), None)
+  if t is None:
+    return ""
+  sent = run["summary"]["hier_compression"]["lo_tx_bytes"]
+  return (f"Inside a node the float32 reduce-scatter alone takes {t:.3f} s: about "
+          f"{_fmt_bytes(sent)} per device in {t:.3f} s = {sent / t / 1e6:.0f} MB/s, against "
+          f"{run['local_bandwidth_Bps'] / 1e6:.0f} MB/s for one TCP stream on the same loopback "
+          f"and {run['bandwidth_Bps'] / 1e6:.0f} MB/s between nodes.")
+
+
+def _hier_summary_lines(run: dict, ratios: dict) -> list[str]:
+  s = run["summary"]
+  h, f, a = s["hier_compression"], s["onebit_compression"], s["adam"]
+  lines = [
+      f"- s/step: Adam {a['step_s']:.3f}, flat 1-bit {f['step_s']:.3f}, hierarchical 1-bit "
+      f"{h['step_s']:.3f}: hierarchical/Adam **{ratios['hier_vs_adam']:.2f}x**, hierarchical/flat "
+      f"**{ratios['hier_vs_flat']:.2f}x** throughput (flat/Adam {ratios['flat_vs_adam']:.2f}x).",
+      f"- Bytes per device per step on the link between nodes (interface counters): hierarchical "
+      f"{_fmt_bytes(h['tx_bytes'])} ({ratios['hier_link_bytes_measured_over_predicted']:.3f}x "
+      f"`compressed_wire_bytes(padded/{run['ranks_per_node']}, {run['num_nodes']}, S)`), flat "
+      f"{_fmt_bytes(f['tx_bytes'])} ({ratios['flat_over_hier_link_bytes']:.2f}x hierarchical), "
+      f"Adam {_fmt_bytes(a['tx_bytes'])}; inside a node hierarchical moves "
+      f"{_fmt_bytes(h['lo_tx_bytes'])} (float32 reduce-scatter).",
+  ]
+  if run.get("profile"):
+    lines.append("- " + _reduce_scatter_note(run))
   return lines
 
 
@@ -750,19 +782,21 @@ def _write_hier(args, argv, run: dict, compute: dict, t0: float, start_load: str
   for mode in HIER_MODES:
     run["summary"][mode]["predicted_link_bytes"] = pred[mode]
   ratios = _hier_ratios(run, pred)
-  lines = _hier_header(args, argv, run, t0, start_load) + _hier_tables(run, compute, pred) + [
-      "", "## Summary", "",
-      f"- Hierarchical 1-bit Adam: {ratios['hier_vs_adam']:.2f}x Adam's throughput and "
-      f"{ratios['hier_vs_flat']:.2f}x flat 1-bit Adam's (flat: {ratios['flat_vs_adam']:.2f}x Adam).",
-      f"- On the link between nodes it sent {_fmt_bytes(run['summary']['hier_compression']['tx_bytes'])}"
-      f" per device per step, {ratios['hier_link_bytes_measured_over_predicted']:.3f}x the "
-      f"prediction, {ratios['flat_over_hier_link_bytes']:.2f}x less than flat 1-bit Adam.", ""]
+  summary = _hier_summary_lines(run, ratios)
+  lines = (_hier_header(args, argv, run, t0, start_load) + _hier_tables(run, compute, pred)
+           + ["", "## Summary", ""] + summary + [""])
   text = "\n".join(lines)
   print("\n" + text, flush=True)
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   stem = args.name or "comm_throughput_hier"
   (out_dir / f"{stem}.md").write_text(text + "\n")
+  (out_dir / f"{stem}_summary.md").write_text("\n".join([
+      f"From `python benchmarks/comm_throughput.py {' '.join(_argv(argv))}` (commit "
+      f"{_git_commit()}, {time.time() - t0:.0f} s, load {run['load']}; full tables in "
+      f"`{stem}.md`): {run['num_nodes']} namespaces x {run['ranks_per_node']} ranks, "
+      f"{args.rate} between namespaces, loopback inside, {run['num_params']:,} parameters.",
+      ""] + summary) + "\n")
   (out_dir / f"{stem}.json").write_text(json.dumps(
       {"runs": [run], "compute": compute, "args": vars(args), "predicted_link_bytes": pred,
        "ratios": ratios, "command": "python benchmarks/comm_throughput.py " + " ".join(_argv(argv)),
