@@ -126,13 +126,28 @@ def observed_interval(rec) -> int | None:
 # Summaries.
 
 
-def _paired(recs, base) -> str:
-  """Mean ± std over seeds of the relative difference to ``base``'s run with the same seed."""
+def paired_stats(recs, base) -> dict | None:
+  """Same-seed relative difference to ``base`` (percent): mean, std, standard error, n."""
   ref = {r["seed"]: r["final_val"] for r in base}
   rel = np.array([(r["final_val"] / ref[r["seed"]] - 1) * 100 for r in recs if r["seed"] in ref])
   if not len(rel) or not np.all(np.isfinite(rel)):
+    return None
+  std = float(rel.std(ddof=1)) if len(rel) > 1 else float("nan")
+  return dict(mean=float(rel.mean()), std=std, se=std / math.sqrt(len(rel)), n=len(rel),
+              worse=int(np.sum(rel > 0)))
+
+
+def _paired(recs, base) -> str:
+  """Mean ± std over seeds of the relative difference to ``base``'s run with the same seed."""
+  p = paired_stats(recs, base)
+  if p is None:
     return "—"
-  return f"{rel.mean():+.2f} ± {rel.std(ddof=1):.2f}%" if len(rel) > 1 else f"{rel[0]:+.2f}%"
+  return f"{p['mean']:+.2f} ± {p['std']:.2f}%" if p["n"] > 1 else f"{p['mean']:+.2f}%"
+
+
+def _se(recs, base) -> str:
+  p = paired_stats(recs, base)
+  return "—" if p is None or not math.isfinite(p["se"]) else f"{p['se']:.2f}%"
 
 
 def _stats(recs) -> dict:
@@ -155,13 +170,23 @@ def _rel(a: float, b: float) -> str:
   return f"{(a / b - 1) * 100:+.2f}%"
 
 
+def _count(items, noun: str) -> str:
+  return f"{len(items)} {noun}" + ("" if len(items) == 1 else "s")
+
+
+def seed_range(seeds) -> str:
+  seeds = list(seeds)
+  return str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]}"
+
+
 def summarize(task: dict) -> dict:
+  """Selection-seed sweeps (``adamw``, ``onebit``) and evaluation-seed finals (``eval``)."""
   adamw = {lr: _stats(r) for lr, r in task["adamw"].items()}
   onebit = {lr: _stats(r) for lr, r in task["onebit"].items()}
   best = task["best_lr"]
-  own_best = min(onebit, key=lambda lr: onebit[lr]["mean"])
   base_bytes = task["allreduce_bytes_per_step"] * task["steps"]
-  return dict(adamw=adamw, onebit=onebit, best=best, own_best=own_best, base_bytes=base_bytes,
+  return dict(adamw=adamw, onebit=onebit, best=best, own_best=task["own_lr"],
+              base_bytes=base_bytes, eval={k: _stats(r) for k, r in task["eval"].items()},
               fixed={t: _stats(r) for t, r in task["fixed"].items()},
               interval=observed_interval(task["onebit"][best][0]))
 
@@ -190,16 +215,44 @@ def _fired(steps, total) -> str:
   return text + (f", {never}/{len(steps)} never" if never else "")
 
 
+def _resolution(p: dict) -> str:
+  """What the ±2 s.e. interval of the paired mean says about the +PARITY goal."""
+  bar, lo, hi = PARITY * 100, p["mean"] - 2 * p["se"], p["mean"] + 2 * p["se"]
+  needed = math.ceil((2 * p["std"] / bar) ** 2)
+  can = 2 * p["se"] <= bar
+  text = (f"resolvable at {p['n']} evaluation seeds: {'yes' if can else 'no'}, the s.e. is "
+          f"{p['se']:.2f}% (2 s.e. vs the {bar:g}% margin; ~{needed} seeds would give 2 s.e. = "
+          f"{bar:g}%); ±2 s.e. interval [{lo:+.2f}%, {hi:+.2f}%]")
+  if hi <= bar:
+    return text + f": within +{bar:g}% at this seed count"
+  if lo > bar:
+    return text + f": more than +{bar:g}% worse at this seed count"
+  return text + f": undecided (it contains +{bar:g}%)"
+
+
+def verdict(task: dict) -> str:
+  """One line per task: parity on the evaluation seeds, and whether the seed count can tell."""
+  ev = task["eval"]
+  p = paired_stats(ev["onebit"], ev["adamw"])
+  if p is None or not math.isfinite(p["se"]):
+    return f"{task['name']}: no paired mean and s.e. (a diverged run, or one evaluation seed)"
+  return (f"{task['name']}: within {PARITY:.1%}: {'yes' if p['mean'] <= PARITY * 100 else 'no'}; "
+          f"paired diff {p['mean']:+.2f}% ± {p['se']:.2f}% (s.e.; std {p['std']:.2f}%, worse on "
+          f"{p['worse']}/{p['n']} seeds); {_resolution(p)}")
+
+
 def goals(results) -> list[tuple[str, bool]]:
   lines = []
   for task in results:
     s = summarize(task)
-    a, o = s["adamw"][s["best"]], s["onebit"][s["best"]]
-    gap = o["mean"] / a["mean"] - 1
-    red = s["base_bytes"] / o["bytes"]
+    ev = task["eval"]
+    p = paired_stats(ev["onebit"], ev["adamw"])
+    gap = float("inf") if p is None else p["mean"]
+    se = "—" if p is None else f"{p['se']:.2f}%"
+    red = s["base_bytes"] / s["eval"]["onebit"]["bytes"]
     lines.append((f"{task['name']}: 1-bit Adam (default freeze) at AdamW's lr within "
-                  f"{PARITY:.1%} of AdamW's mean final val loss ({gap:+.2%}; seeds' std "
-                  f"{o['std']:.4f} vs {a['std']:.4f})", gap <= PARITY))
+                  f"{PARITY:.1%} of AdamW, paired mean over {len(task['eval_seeds'])} evaluation "
+                  f"seeds ({gap:+.2f}%, s.e. {se})", gap <= PARITY * 100))
     lines.append((f"{task['name']}: >= {MIN_REDUCTION:g}x less communication over the run "
                   f"({red:.2f}x)", red >= MIN_REDUCTION))
     same_seed = task["onebit"][s["best"]][0]["final_val"]
@@ -217,10 +270,7 @@ def goals(results) -> list[tuple[str, bool]]:
 # Markdown.
 
 
-def build_markdown(results, meta) -> str:
-  lines = []
-  add = lines.append
-  seeds = len(next(iter(results[0]["adamw"].values())))
+def _header(add, results, meta):
   add(f"# Convergence: 1-bit Adam vs tuned AdamW ({'quick' if meta['quick'] else 'full'} "
       "protocol)\n")
   add(f"Command: `{meta['command']}`  ")
@@ -229,29 +279,54 @@ def build_markdown(results, meta) -> str:
       f"{meta['wall_s'] / 60:.1f} min.  ")
   add(f"Machine load (`uptime`) at start: `{meta['uptime_start']}`; at end: "
       f"`{meta['uptime_end']}`.\n")
-  add(f"Every run: 8 simulated CPU devices (`shard_map`, local gradients), linear LR warmup "
+  seeds = "; ".join(f"{t['name']}: {_count(t['selection_seeds'], 'selection seed')} "
+                    f"({seed_range(t['selection_seeds'])}), "
+                    f"{_count(t['eval_seeds'], 'evaluation seed')} "
+                    f"({seed_range(t['eval_seeds'])})" for t in results)
+  add("Every run: 8 simulated CPU devices (`shard_map`, local gradients), linear LR warmup "
       "over 5% of the run then cosine decay to 10%, b1 = 0.9, b2 = 0.999, eps = 1e-8, "
       "decoupled weight decay 0.1 on matrices. 1-bit Adam is `onebit_adam` with the default "
       "freeze rule, `variance_ratio_freeze(min_steps=<LR warmup>)`. Validation loss: "
       "cross-entropy in nats on the whole held-out set after the last step, mean ± standard "
-      f"deviation over {seeds} seeds (the seed draws the initialisation and the batches). "
+      "deviation over seeds (the seed draws the initialisation and the batches). "
       "Communication: bytes one device sends over the run (`wire_bytes` summed over the "
       "steps; AdamW: a float32 ring all-reduce, `allreduce_wire_bytes`).\n")
-  add("## Summary\n")
-  add("| task | params | steps | AdamW lr (best) | AdamW val | 1-bit Adam val, same lr | vs "
-      "AdamW | same seed | default rule froze after | MB sent per device, AdamW / 1-bit | "
-      "less | 1-bit Adam's own best lr | its val | vs AdamW |")
-  add("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  add("**Seeds.** The learning-rate sweeps (AdamW's, and 1-bit Adam's for its own best), the "
+      "freeze-step study, the rule's replay and the failing references run on *selection* "
+      "seeds; the comparison of the summary runs on fresh *evaluation* seeds, disjoint from "
+      "them, so the selected learning rate is not judged on the seeds that selected it. "
+      f"{seeds}. *Paired*: the same-seed relative difference to AdamW, mean ± std over "
+      "seeds; *s.e.*: its standard error, std/sqrt(n).\n")
+
+
+def _summary_table(add, results):
+  add("| task | params | steps | eval. seeds | AdamW lr (selected) | AdamW val | 1-bit Adam val, "
+      "same lr | paired vs AdamW | s.e. | default rule froze after | MB sent per device, "
+      "AdamW / 1-bit | less | 1-bit Adam's own lr | its val | paired vs AdamW | s.e. |")
+  add("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for task in results:
-    s = summarize(task)
-    a, o, ob = s["adamw"][s["best"]], s["onebit"][s["best"]], s["onebit"][s["own_best"]]
-    add(f"| {task['name']} | {task['params']:,} | {task['steps']} | {s['best']:g} | {_fmt(a)} "
-        f"| {_fmt(o)} | {_rel(o['mean'], a['mean'])} | "
-        f"{_paired(task['onebit'][s['best']], task['adamw'][s['best']])} | "
-        f"{_fired(o['freeze'], task['steps'])} "
-        f"| {s['base_bytes'] / 1e6:,.1f} / {o['bytes'] / 1e6:,.1f} | "
+    s, ev = summarize(task), task["eval"]
+    a, o, ob = s["eval"]["adamw"], s["eval"]["onebit"], s["eval"]["onebit_own"]
+    add(f"| {task['name']} | {task['params']:,} | {task['steps']} | {len(task['eval_seeds'])} | "
+        f"{s['best']:g} | {_fmt(a)} | {_fmt(o)} | {_paired(ev['onebit'], ev['adamw'])} | "
+        f"{_se(ev['onebit'], ev['adamw'])} | {_fired(o['freeze'], task['steps'])} | "
+        f"{s['base_bytes'] / 1e6:,.1f} / {o['bytes'] / 1e6:,.1f} | "
         f"{s['base_bytes'] / o['bytes']:.2f}x | {s['own_best']:g} | {_fmt(ob)} | "
-        f"{_rel(ob['mean'], a['mean'])} |")
+        f"{_paired(ev['onebit_own'], ev['adamw'])} | {_se(ev['onebit_own'], ev['adamw'])} |")
+  add("")
+
+
+def build_markdown(results, meta) -> str:
+  lines = []
+  add = lines.append
+  _header(add, results, meta)
+  add("## Summary (evaluation seeds)\n")
+  _summary_table(add, results)
+  add("## Verdict: the +0.5% goal at these seed counts\n")
+  add("Paired mean ± its s.e. on the evaluation seeds; the goal is resolvable when 2 s.e. "
+      "<= 0.5%, and the ±2 s.e. interval (about 95%) then says which side it is on.\n")
+  for task in results:
+    add(f"- {verdict(task)}")
   add("")
   add("## Goals\n")
   for text, ok in goals(results):
@@ -263,6 +338,20 @@ def build_markdown(results, meta) -> str:
   return "\n".join(lines)
 
 
+def _freeze_rows(add, task, prefix=""):
+  """The fixed-step rows, the default rule and AdamW, on the selection seeds."""
+  s = summarize(task)
+  a, base = s["adamw"][s["best"]], task["adamw"][s["best"]]
+  for t, f in s["fixed"].items():
+    add(f"| {prefix}{t} ({t / task['steps']:.0%}) | {_fmt(f)} | {_rel(f['mean'], a['mean'])} | "
+        f"{_paired(task['fixed'][t], base)} | {s['base_bytes'] / f['bytes']:.2f}x |")
+  o = s["onebit"][s["best"]]
+  add(f"| {prefix}**default rule: {_fired(o['freeze'], task['steps'])}** | {_fmt(o)} | "
+      f"{_rel(o['mean'], a['mean'])} | {_paired(task['onebit'][s['best']], base)} | "
+      f"{s['base_bytes'] / o['bytes']:.2f}x |")
+  add(f"| {prefix}AdamW (lr {s['best']:g}, never) | {_fmt(a)} | — | — | 1.00x |")
+
+
 def build_freeze_markdown(results, meta) -> str:
   """The freeze study alone (for the README's freeze section): costs of fixed steps, replay."""
   lines = []
@@ -270,63 +359,90 @@ def build_freeze_markdown(results, meta) -> str:
   add("# Freeze study: what freezing at step t costs, and where the rule fires\n")
   add(f"From `{meta['command']}` (onebit_optax at {meta['git']}, {meta['machine']}, "
       f"{meta['wall_s'] / 60:.1f} min; full tables in `convergence.md`). Each task at "
-      "AdamW's best learning rate; 1-bit Adam with `fixed_step_freeze(t)` and with the default "
-      "rule; final validation loss against AdamW's, mean ± std over seeds and the same-seed "
-      "(paired) difference.\n")
+      "AdamW's selected learning rate; 1-bit Adam with `fixed_step_freeze(t)` and with the "
+      "default rule; final validation loss against AdamW's, mean ± std over seeds and the "
+      "same-seed (paired) difference. These run on the *selection* seeds ("
+      + "; ".join(f"{t['name']}: {seed_range(t['selection_seeds'])}" for t in results)
+      + "), on which AdamW's learning rate was chosen: AdamW is favoured there by the "
+      "selection, so compare the rows with each other; the unbiased comparison on fresh "
+      "seeds is the last row of each task (and `convergence.md`).\n")
   add("| task | variance frozen after step | val | vs AdamW | same seed | comm. reduction |")
   add("|---|---|---|---|---|---|")
   for task in results:
-    s = summarize(task)
-    a, base = s["adamw"][s["best"]], task["adamw"][s["best"]]
-    for t, f in s["fixed"].items():
-      add(f"| {task['name']} | {t} ({t / task['steps']:.0%}) | {_fmt(f)} | "
-          f"{_rel(f['mean'], a['mean'])} | {_paired(task['fixed'][t], base)} | "
-          f"{s['base_bytes'] / f['bytes']:.2f}x |")
-    o = s["onebit"][s["best"]]
-    add(f"| {task['name']} | **default rule: {_fired(o['freeze'], task['steps'])}** | "
-        f"{_fmt(o)} | {_rel(o['mean'], a['mean'])} | "
-        f"{_paired(task['onebit'][s['best']], base)} | {s['base_bytes'] / o['bytes']:.2f}x |")
-    add(f"| {task['name']} | AdamW (lr {s['best']:g}) | {_fmt(a)} | — | — | 1.00x |")
+    rows = []
+    _freeze_rows(rows.append, task)
+    for row in rows:
+      add(f"| {task['name']} {row}")
+    s, ev = summarize(task), task["eval"]
+    o = s["eval"]["onebit"]
+    add(f"| {task['name']} | default rule, {len(task['eval_seeds'])} evaluation seeds: "
+        f"{_fired(o['freeze'], task['steps'])} | {_fmt(o)} | "
+        f"{_rel(o['mean'], s['eval']['adamw']['mean'])} | "
+        f"{_paired(ev['onebit'], ev['adamw'])} (s.e. {_se(ev['onebit'], ev['adamw'])}) | "
+        f"{s['base_bytes'] / o['bytes']:.2f}x |")
   add("")
   _replay_section(add, results, heading="##")
   return "\n".join(lines)
 
 
-def _task_section(add, task):
-  s = summarize(task)
-  a = s["adamw"][s["best"]]
-  add(f"## {task['name']}: {task['title']}\n")
-  add(f"{task['params']:,} parameters, {task['steps']} steps, global batch {task['batch']} "
-      f"({task['devices']} devices), LR warmup {task['warmup']} steps; task wall time "
-      f"{task['wall_s'] / 60:.1f} min.\n")
+def _sweep_table(add, task, s):
+  add(f"Learning-rate sweep on the {_count(task['selection_seeds'], 'selection seed')} "
+      f"({seed_range(task['selection_seeds'])}):\n")
   add("| peak lr | AdamW val | 1-bit Adam val | 1-bit vs AdamW | same seed | default rule "
       "froze after | 1-bit comm. reduction |")
   add("|---|---|---|---|---|---|---|")
+  mark = lambda cond: " **(best)**" if cond else ""
   for lr in s["adamw"]:
     aa, oo = s["adamw"][lr], s["onebit"][lr]
-    mark = lambda cond: " **(best)**" if cond else ""
     add(f"| {lr:g} | {_fmt(aa)}{mark(lr == s['best'])} | {_fmt(oo)}{mark(lr == s['own_best'])} "
         f"| {_rel(oo['mean'], aa['mean'])} | "
         f"{_paired(task['onebit'][lr], task['adamw'][lr])} | "
         f"{_fired(oo['freeze'], task['steps'])} | "
         f"{s['base_bytes'] / oo['bytes']:.2f}x |")
   add("")
-  add(f"Freeze-step study at AdamW's lr {s['best']:g}: 1-bit Adam with `fixed_step_freeze(t)`.\n")
+
+
+def _eval_table(add, task, s):
+  ev = task["eval"]
+  add(f"Evaluation on the {len(task['eval_seeds'])} fresh seeds "
+      f"({seed_range(task['eval_seeds'])}):\n")
+  add("| optimizer | peak lr | val | vs AdamW | same seed | s.e. | seeds worse | default rule "
+      "froze after | comm. reduction |")
+  add("|---|---|---|---|---|---|---|---|---|")
+  a = s["eval"]["adamw"]
+  add(f"| AdamW | {s['best']:g} | {_fmt(a)} | — | — | — | — | never | 1.00x |")
+  for key, label, lr in (("onebit", "1-bit Adam at AdamW's lr", s["best"]),
+                         ("onebit_own", "1-bit Adam at its own lr", s["own_best"])):
+    o, p = s["eval"][key], paired_stats(ev[key], ev["adamw"])
+    worse = "—" if p is None else f"{p['worse']}/{p['n']}"
+    add(f"| {label} | {lr:g} | {_fmt(o)} | {_rel(o['mean'], a['mean'])} | "
+        f"{_paired(ev[key], ev['adamw'])} | {_se(ev[key], ev['adamw'])} | {worse} | "
+        f"{_fired(o['freeze'], task['steps'])} | {s['base_bytes'] / o['bytes']:.2f}x |")
+  add("")
+  sel = s["adamw"][s["best"]]
+  add(f"AdamW at its selected lr {s['best']:g}: {sel['mean']:.4f} on the selection seeds, "
+      f"{a['mean']:.4f} on the evaluation seeds ({_rel(a['mean'], sel['mean'])}: how much the "
+      "selection flattered it, plus seed noise).\n")
+  add(f"Verdict: {verdict(task)}.\n")
+
+
+def _task_section(add, task):
+  s = summarize(task)
+  add(f"## {task['name']}: {task['title']}\n")
+  add(f"{task['params']:,} parameters, {task['steps']} steps, global batch {task['batch']} "
+      f"({task['devices']} devices), LR warmup {task['warmup']} steps; task wall time "
+      f"{task['wall_s'] / 60:.1f} min.\n")
+  _sweep_table(add, task, s)
+  _eval_table(add, task, s)
+  add(f"Freeze-step study at AdamW's lr {s['best']:g}, selection seeds: 1-bit Adam with "
+      "`fixed_step_freeze(t)`.\n")
   add("| variance frozen after step | val | vs AdamW | same seed | comm. reduction |")
   add("|---|---|---|---|---|")
-  base = task["adamw"][s["best"]]
-  for t, f in s["fixed"].items():
-    add(f"| {t} ({t / task['steps']:.0%}) | {_fmt(f)} | {_rel(f['mean'], a['mean'])} | "
-        f"{_paired(task['fixed'][t], base)} | {s['base_bytes'] / f['bytes']:.2f}x |")
-  o = s["onebit"][s["best"]]
-  add(f"| default rule: {_fired(o['freeze'], task['steps'])} | {_fmt(o)} | "
-      f"{_rel(o['mean'], a['mean'])} | {_paired(task['onebit'][s['best']], base)} | "
-      f"{s['base_bytes'] / o['bytes']:.2f}x |")
-  add(f"| AdamW (never) | {_fmt(a)} | — | — | 1.00x |")
+  _freeze_rows(add, task)
   add("")
   same_seed = task["onebit"][s["best"]][0]["final_val"]
-  add(f"Failing references, seed {task['onebit'][s['best']][0]['seed']}, frozen after step "
-      f"{task['reference_step']} (1-bit Adam, same seed: {same_seed:.4f}):\n")
+  add(f"Failing references, selection seed {task['onebit'][s['best']][0]['seed']}, frozen after "
+      f"step {task['reference_step']} (1-bit Adam, same seed: {same_seed:.4f}):\n")
   for kind, rec in task["references"].items():
     label = dict(naive="naive 1-bit Adam (1-bit error-compensated *gradient* -> AdamW)",
                  no_feedback="1-bit Adam without error feedback")[kind]
@@ -339,7 +455,8 @@ def _task_section(add, task):
 
 def _replay_section(add, results, heading="##"):
   add(f"{heading} Where the variance-ratio rule fires\n")
-  add("Replayed offline on AdamW's bias-corrected `||v_hat_t||_1` at its best lr (1-bit Adam's "
+  add("Replayed offline on AdamW's bias-corrected `||v_hat_t||_1` at its best lr, selection "
+      "seeds (1-bit Adam's "
       "warmup is Adam on the mean gradient: the same trajectory), with the library's rule: a "
       "check every Δ steps, ρ = ||v_hat_t||_1 / ||v_hat_{t-Δ}||_1 against the previous check, "
       "first possible at t = 2Δ, fires at the first check with t >= min_steps (= the LR "
@@ -390,15 +507,16 @@ def plot(path, results):
     mean_curve = lambda recs: (recs[0]["eval_steps"],
                                np.mean([r["val"] for r in recs], axis=0))
     a = row[0]
-    a.plot(*mean_curve(task["adamw"][best]), "k", lw=2, label=f"AdamW lr {best:g}")
-    a.plot(*mean_curve(task["onebit"][best]), "tab:blue", lw=2, label="1-bit Adam, default rule")
+    a.plot(*mean_curve(task["eval"]["adamw"]), "k", lw=2, label=f"AdamW lr {best:g} (eval.)")
+    a.plot(*mean_curve(task["eval"]["onebit"]), "tab:blue", lw=2,
+           label="1-bit Adam, default rule (eval.)")
     greens = plt.cm.Greens(np.linspace(0.4, 0.9, len(task["fixed"])))
     for c, (t, recs) in zip(greens, task["fixed"].items()):
-      a.plot(*mean_curve(recs), color=c, lw=1, label=f"1-bit, freeze at {t}")
+      a.plot(*mean_curve(recs), color=c, lw=1, label=f"1-bit, freeze at {t} (selection)")
     for kind, color in (("naive", "tab:red"), ("no_feedback", "tab:orange")):
       rec = task["references"][kind]
       a.plot(rec["eval_steps"], rec["val"], color=color, lw=1, ls="--", label=kind)
-    ends = [mean_curve(task[k][best])[1][-1] for k in ("adamw", "onebit")]
+    ends = [mean_curve(task["eval"][k])[1][-1] for k in ("adamw", "onebit")]
     a.set_ylim(min(ends) - 0.1 * min(ends), max(ends) + 0.5 * max(ends))
     a.set(title=f"{task['name']}: validation loss on {PERIODIC} held-out examples "
           "(mean over seeds)", xlabel="step", ylabel="nats")
@@ -412,7 +530,8 @@ def plot(path, results):
       a.errorbar(np.array(lrs)[ok], means[ok], yerr=np.nan_to_num(stds[ok]), color=color,
                  marker="o", capsize=3, label=name)
     a.set_xscale("log")
-    a.set(title=f"{task['name']}: final validation loss vs peak lr", xlabel="peak lr")
+    a.set(title=f"{task['name']}: final validation loss vs peak lr (selection seeds)",
+          xlabel="peak lr")
     a.legend(fontsize=7)
     a = row[2]
     for r in task["adamw"][best]:
@@ -466,7 +585,8 @@ def load_json(path: str):
       task[key] = {float(lr): recs for lr, recs in task[key].items()}
     task["fixed"] = {int(t): recs for t, recs in task["fixed"].items()}
     for recs in list(task["adamw"].values()) + list(task["onebit"].values()) + list(
-        task["fixed"].values()) + [[r] for r in task["references"].values()]:
+        task["fixed"].values()) + list(task["eval"].values()) + [
+            [r] for r in task["references"].values()]:
       for r in recs:
         for k in ("final_val", "ratio", "nu_l1", "val", "loss"):
           if k in r and isinstance(r[k], list):

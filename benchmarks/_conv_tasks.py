@@ -45,7 +45,11 @@ class Task:
   # (multiple) -> the whole validation set, its length a multiple of the device count.
   val_set: Callable[[int], tuple]
   chunk: int = 25  # steps per compiled call (lax.scan) and between evaluations.
-  seeds: int = 3  # seeds per configuration (a cheap, noisy task gets more).
+  # Seeds that choose the learning rates (the sweeps, and the freeze study), and
+  # fresh seeds, disjoint from them, that the final comparison runs on (a cheap,
+  # noisy task gets more of both).
+  seeds: int = 3
+  eval_seeds: int = 4
   # Global-norm clipping of the gradient before the optimizer (None: none), with
   # onebit_optax.clip_by_global_norm: one factor agreed across devices.
   clip: float | None = None
@@ -77,8 +81,8 @@ def _gpt_task(steps: int) -> Task:
       name="gpt", title=(f"char GPT: causal transformer on pydoc topics prose "
                          f"(d={cfg.d_model}, {cfg.num_layers} layers, context {cfg.seq_len})"),
       steps=steps, warmup=max(1, steps // 20), lrs=(1e-3, 3e-3, 1e-2), batch_per_device=4,
-      weight_decay=0.1, clip=1.0, init_params=lambda key: lm.init_params(key, cfg),
-      loss_sums=loss_sums,
+      weight_decay=0.1, clip=1.0, eval_seeds=5,
+      init_params=lambda key: lm.init_params(key, cfg), loss_sums=loss_sums,
       train_batch=lambda seed, step, batch: lm.train_batch(train, step, seed, batch, cfg.seq_len),
       val_set=lambda multiple: lm.val_batches(val, cfg.seq_len, None, multiple))
 
@@ -158,7 +162,7 @@ def _digits_task(steps: int) -> Task:
                             f"scikit-learn's 8x8 digits ({len(y_train)} train / {len(y_val)} "
                             "held out)"),
       steps=steps, warmup=max(1, steps // 20), lrs=(3e-3, 1e-2, 3e-2), batch_per_device=8,
-      weight_decay=0.1, seeds=8, init_params=lambda key: _mlp_init(key, sizes),
+      weight_decay=0.1, seeds=8, eval_seeds=24, init_params=lambda key: _mlp_init(key, sizes),
       loss_sums=loss_sums,
       train_batch=batch, val_set=val_set)
 
