@@ -391,7 +391,8 @@ def _profile_hier(args, mesh, flat, shapes):
   """Times the pieces of a hierarchical step on the 2-D mesh (rank 0, median of repeats).
 
   The float32 reduce-scatter over 'local' of the padded buffer (each device
-  keeps its node's mean of a 1/L slice), the uint8 all_to_all and all_gather
+  keeps its node's mean of a 1/L slice) and, for comparison, the float32
+  all-reduce of the same buffer over 'local', the uint8 all_to_all and all_gather
   over 'node' and the uint8 all_gather over 'local' (message sizes as in the
   optimizer), one scalar psum over each axis (the latency of a collective on a
   sub-axis), compressed_mean over ('node', 'local') as a whole, and flat
@@ -438,6 +439,9 @@ def _profile_hier(args, mesh, flat, shapes):
   cases = {
       "psum_scatter f32 over 'local' (padded buffer)": (
           jax.jit(smap(lambda v: jax.lax.psum_scatter(v, "local", tiled=True))), (x,)),
+      # The same sum as a full all-reduce (twice the bytes of a reduce-scatter).
+      "psum f32 over 'local' (padded buffer)": (
+          jax.jit(smap(lambda v: jax.lax.psum(v, "local"))), (x,)),
       "all_to_all uint8 over 'node'": (
           jax.jit(smap(lambda r: jax.lax.all_to_all(r, "node", 0, 0, tiled=True))), (rows,)),
       "all_gather uint8 over 'node'": (

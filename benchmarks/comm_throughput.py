@@ -737,14 +737,18 @@ def _hier_model_lines(run: dict, s: dict, modes: list, pred: dict) -> list[str]:
 
 def _reduce_scatter_note(run: dict) -> str:
   """The intra-node float32 reduce-scatter, measured alone, against the loopback probe."""
-  t = next((v for k, v in run["profile"].items() if k.startswith("psum_scatter")), None)
+  prof = run["profile"]
+  t = next((v for k, v in prof.items() if k.startswith("psum_scatter")), None)
   if t is None:
     return ""
   sent = run["summary"]["hier_compression"]["lo_tx_bytes"]
+  t_sum = next((v for k, v in prof.items() if k.startswith("psum f32")), None)
+  also = (f"; the float32 all-reduce (psum) of the same buffer over 'local', twice the bytes, "
+          f"takes {t_sum:.3f} s" if t_sum is not None else "")
   return (f"Inside a node the float32 reduce-scatter alone takes {t:.3f} s: about "
           f"{_fmt_bytes(sent)} per device in {t:.3f} s = {sent / t / 1e6:.0f} MB/s, against "
           f"{run['local_bandwidth_Bps'] / 1e6:.0f} MB/s for one TCP stream on the same loopback "
-          f"and {run['bandwidth_Bps'] / 1e6:.0f} MB/s between nodes.")
+          f"and {run['bandwidth_Bps'] / 1e6:.0f} MB/s between nodes{also}.")
 
 
 def _hier_summary_lines(run: dict, ratios: dict) -> list[str]:
