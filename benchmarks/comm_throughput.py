@@ -745,10 +745,13 @@ def _reduce_scatter_note(run: dict) -> str:
   t_sum = next((v for k, v in prof.items() if k.startswith("psum f32")), None)
   also = (f"; the float32 all-reduce (psum) of the same buffer over 'local', twice the bytes, "
           f"takes {t_sum:.3f} s" if t_sum is not None else "")
-  return (f"Inside a node the float32 reduce-scatter alone takes {t:.3f} s: about "
-          f"{_fmt_bytes(sent)} per device in {t:.3f} s = {sent / t / 1e6:.0f} MB/s, against "
+  return (f"Inside a node the float32 reduce-scatter alone takes {t:.3f} s "
+          f"({_fmt_bytes(sent / 2)} per device would be its share of the bytes: "
+          f"{sent / 2 / t / 1e6:.0f} MB/s), against "
           f"{run['local_bandwidth_Bps'] / 1e6:.0f} MB/s for one TCP stream on the same loopback "
-          f"and {run['bandwidth_Bps'] / 1e6:.0f} MB/s between nodes{also}.")
+          f"and {run['bandwidth_Bps'] / 1e6:.0f} MB/s between nodes{also}. Over gloo the "
+          "optimizer therefore takes the all-reduce and a slice "
+          "(onebit_optax._collective._fast_mean_slice).")
 
 
 def _hier_summary_lines(run: dict, ratios: dict) -> list[str]:
@@ -763,7 +766,8 @@ def _hier_summary_lines(run: dict, ratios: dict) -> list[str]:
       f"`compressed_wire_bytes(padded/{run['ranks_per_node']}, {run['num_nodes']}, S)`), flat "
       f"{_fmt_bytes(f['tx_bytes'])} ({ratios['flat_over_hier_link_bytes']:.2f}x hierarchical), "
       f"Adam {_fmt_bytes(a['tx_bytes'])}; inside a node hierarchical moves "
-      f"{_fmt_bytes(h['lo_tx_bytes'])} (float32 reduce-scatter).",
+      f"{_fmt_bytes(h['lo_tx_bytes'])} (float32 over 'local': over gloo an all-reduce and a "
+      "slice, elsewhere a reduce-scatter).",
   ]
   if run.get("profile"):
     lines.append("- " + _reduce_scatter_note(run))
