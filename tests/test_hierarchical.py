@@ -257,3 +257,29 @@ def test_the_gloo_lowering_gives_the_same_training(mesh, monkeypatch):
   assert "reduce_scatter" in step.lower(p, s, x_dev, y_dev).as_text()
   text = step_gloo.lower(p, s, x_dev, y_dev).as_text()
   assert "reduce_scatter" not in text and "all_reduce" in text
+
+
+@pytest.mark.parametrize("bad_step", [2, 6], ids=["warmup", "compression"])
+def test_a_nan_on_one_device_skips_the_step_on_every_device(mesh, bad_step):
+  # Device (1, 2) only: after the reduce-scatter over 'local' the NaN sits in one
+  # device's slice, yet every device must see it (it reaches the gathered scales).
+  _, x, y, tx, params, opt_state, specs, x_dev, y_dev = _setup(mesh, freeze_at=4)
+  step = _training_step(mesh, tx, specs)
+  x_bad = np.array(x)
+  x_bad[1 * LOCAL + 2, 0, 3] = np.nan
+  x_bad = jax.device_put(x_bad, NamedSharding(mesh, P(AXES)))
+  for t in range(1, 9):
+    before = (params, opt_state)
+    params, opt_state = jax.block_until_ready(
+        step(params, opt_state, x_bad if t == bad_step else x_dev, y_dev))
+    if t == bad_step:
+      for a, b in zip(jax.tree.leaves(before[0]), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+      for name in ("mu", "nu", "worker_error", "server_error", "count"):
+        np.testing.assert_array_equal(np.asarray(getattr(before[1][0], name)),
+                                      np.asarray(getattr(opt_state[0], name)), err_msg=name)
+  assert int(onebit_optax.skipped_steps(opt_state)) == 1
+  assert bool(onebit_optax.is_frozen(opt_state))
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+    flat_sim._assert_bitwise_identical(flat_sim._replica_copies(leaf), jax.tree_util.keystr(path))
