@@ -216,18 +216,20 @@ def _fired(steps, total) -> str:
 
 
 def _resolution(p: dict) -> str:
-  """What the ±2 s.e. interval of the paired mean says about the +PARITY goal."""
-  bar, lo, hi = PARITY * 100, p["mean"] - 2 * p["se"], p["mean"] + 2 * p["se"]
+  """Whether the 95% interval of the paired mean (Student's t) decides the +PARITY goal."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  t = float(stats.t.ppf(0.975, p["n"] - 1))
+  bar, lo, hi = PARITY * 100, p["mean"] - t * p["se"], p["mean"] + t * p["se"]
   needed = math.ceil((2 * p["std"] / bar) ** 2)
-  can = 2 * p["se"] <= bar
-  text = (f"resolvable at {p['n']} evaluation seeds: {'yes' if can else 'no'}, the s.e. is "
-          f"{p['se']:.2f}% (2 s.e. vs the {bar:g}% margin; ~{needed} seeds would give 2 s.e. = "
-          f"{bar:g}%); ±2 s.e. interval [{lo:+.2f}%, {hi:+.2f}%]")
+  interval = f"the 95% interval (±{t:.2f} s.e.) [{lo:+.2f}%, {hi:+.2f}%]"
   if hi <= bar:
-    return text + f": within +{bar:g}% at this seed count"
-  if lo > bar:
-    return text + f": more than +{bar:g}% worse at this seed count"
-  return text + f": undecided (it contains +{bar:g}%)"
+    side = f"yes, {interval} lies below +{bar:g}%"
+  elif lo > bar:
+    side = f"yes, {interval} lies above +{bar:g}%"
+  else:
+    side = f"no, {interval} contains +{bar:g}%"
+  return (f"resolvable at {p['n']} evaluation seeds: {side}; the s.e. is {p['se']:.2f}% "
+          f"(~{needed} seeds would make 2 s.e. = {bar:g}% whatever the mean)")
 
 
 def verdict(task: dict) -> str:
@@ -323,8 +325,9 @@ def build_markdown(results, meta) -> str:
   add("## Summary (evaluation seeds)\n")
   _summary_table(add, results)
   add("## Verdict: the +0.5% goal at these seed counts\n")
-  add("Paired mean ± its s.e. on the evaluation seeds; the goal is resolvable when 2 s.e. "
-      "<= 0.5%, and the ±2 s.e. interval (about 95%) then says which side it is on.\n")
+  add("Paired mean ± its s.e. on the evaluation seeds. *Resolvable*: the 95% interval of the "
+      "paired mean (Student's t, n - 1 degrees of freedom) lies on one side of +0.5%, so this "
+      "seed count tells whether 1-bit Adam is within 0.5% of AdamW.\n")
   for task in results:
     add(f"- {verdict(task)}")
   add("")

@@ -1,6 +1,6 @@
 """Convergence of 1-bit Adam against a tuned AdamW, over tasks, learning rates and seeds.
 
-    .venv/bin/python benchmarks/convergence.py            # the full protocol (~45 min on 2 cores)
+    .venv/bin/python benchmarks/convergence.py            # the full protocol (~35 min on 2 cores)
     .venv/bin/python benchmarks/convergence.py --quick    # a smoke run (a few minutes)
 
 The protocol, for every task of ``_conv_tasks.py`` (a char GPT and a BERT-style

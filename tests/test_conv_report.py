@@ -51,12 +51,12 @@ def test_paired_stats_mean_std_and_standard_error():
 def test_verdict_says_whether_the_half_percent_goal_is_resolved():
   met = _conv_report.verdict(_task([0.0, 0.1, -0.1, 0.05, -0.05]))
   assert "within 0.5%: yes" in met and "resolvable at 5 evaluation seeds: yes" in met
-  assert "within +0.5% at this seed count" in met
+  assert "lies below +0.5%" in met
   missed = _conv_report.verdict(_task([5.0, 5.1, 4.9, 5.05]))
-  assert "within 0.5%: no" in missed and "more than +0.5% worse" in missed
+  assert "within 0.5%: no" in missed and "lies above +0.5%" in missed
   noisy = _conv_report.verdict(_task([10.0, -9.0, 1.0, -1.5]))
   assert "within 0.5%: yes" in noisy and "resolvable at 4 evaluation seeds: no" in noisy
-  assert "undecided" in noisy
+  assert "contains +0.5%" in noisy
 
 
 def test_markdown_reports_both_seed_sets():
