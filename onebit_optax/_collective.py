@@ -542,5 +542,6 @@ def compressed_average(x, worker_error, server_error, axis_name, *, layout,
   new_server_error = _compressor.sign_residual(
       w, server_scales[local_segment], chunk_valid).reshape(-1)
   if keep_server_error_if_nonfinite:
-    new_server_error = jax.lax.cond(finite, lambda: new_server_error, lambda: server_error)
+    # A select, fused into the residual's pass (a cond stored the residual first).
+    new_server_error = jnp.where(finite, new_server_error, server_error)
   return Averaged(mean.reshape(-1), scales[part.segment], new_server_error, finite)

@@ -215,9 +215,10 @@ def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> 
   # devices agree on it without another collective (but a model-parallel axis).
   finite = (_collective._all_true(jnp.all(jnp.isfinite(g)), hp.model_axis)
             if hp.skip_nonfinite else jnp.bool_(True))
-  nu32 = state.nu.astype(jnp.float32)
   # The new nu's norm only (a reduction): nu itself is written after the switch.
-  l1 = jnp.sum(jnp.where(finite, (1.0 - hp.b2) * jnp.square(g) + hp.b2 * nu32, nu32))
+  # No select on `finite` inside the sum (it made XLA:CPU store the summand):
+  # on a skipped step the freeze decision is discarded anyway.
+  l1 = jnp.sum((1.0 - hp.b2) * jnp.square(g) + hp.b2 * state.nu.astype(jnp.float32))
   if hp.model_axis is not None:  # the whole model's norm, so every shard freezes together
     l1 = jax.lax.psum(l1, hp.model_axis)
   freeze_now, reference, ratio = _freeze.freeze_decision(
