@@ -209,9 +209,10 @@ def main():
   block = ["", "Temporaries of the compiled update (1,000,000 parameters; both 1-bit phases "
            "live in one program, the larger branch counts): " + ", ".join(
                f"{name} {k:.2f}" for name, k in temps.items()) +
-           " parameter-sized float32 arrays, written fresh on every step. Each lax.cond "
-           "result (moments, error buffers, update leaves) gets its own buffer and a copy "
-           "into the output."]
+           " parameter-sized float32 arrays, written fresh on every step: a copy of mu "
+           "(the worker residual reads the old mu after the phase switch, unordered with "
+           "mu's in-place write) and, with skip_nonfinite, the server residual (one "
+           "device: the server's chunk is the whole vector)."]
   print("\n".join(block), flush=True)
   lines += block
 

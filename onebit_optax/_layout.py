@@ -127,11 +127,10 @@ class FlatLayout:
   def flatten(self, tree) -> jax.Array:
     """The leaves of ``tree`` (shaped like this layout) as one padded float32 vector.
 
-    One concatenate. On XLA:CPU it is the most expensive pass of the
-    compression step (a per-element choice between operands into a fresh
-    buffer: ~100 ms for 10M parameters, against ~8 ms for copying the leaves
-    into a donated buffer; see benchmarks/optimizer_compute.py); the warmup step
-    uses :meth:`combine_into` instead. Zero-size leaves emit no operand (XLA 0.11
+    One concatenate, which XLA fuses into its elementwise consumers where it
+    can (a per-element choice between operands; written to a fresh buffer it
+    cost ~100 ms for 10M parameters on XLA:CPU, see
+    benchmarks/optimizer_compute.py). Zero-size leaves emit no operand (XLA 0.11
     crashed compiling zero-size operands of a fenced concatenate).
     """
     pieces = []
@@ -145,21 +144,6 @@ class FlatLayout:
     if self.padded > self.used:
       pieces.append(jnp.zeros((self.padded - self.used,), jnp.float32))
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-
-  def combine_into(self, flat: jax.Array, tree, fn) -> jax.Array:
-    """``flat`` with each leaf's slice replaced by ``fn(leaf, old_slice)`` (both flat float32).
-
-    A chain of ``dynamic_update_slice``: XLA updates ``flat`` in place when its
-    buffer is donated, so no full-size temporary is written. Fast on XLA:CPU
-    only when ``fn`` ignores the old slice (copying 10M parameters: ~8 ms);
-    reading the slice being overwritten makes XLA:CPU emit a slow
-    dynamic-update-slice fusion (~700 ms, measured on jax 0.10.2).
-    """
-    for leaf, offset, size in zip(jax.tree.leaves(tree), self.offsets, self.sizes):
-      if size:
-        piece = fn(jnp.ravel(leaf).astype(jnp.float32), flat[offset:offset + size])
-        flat = jax.lax.dynamic_update_slice_in_dim(flat, piece, offset, 0)
-    return flat
 
   def unflatten(self, flat: jax.Array, treedef, dtypes=None) -> object:
     """Inverse of :meth:`flatten`: slices (no copy of the whole) back into a tree."""

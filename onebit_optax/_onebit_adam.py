@@ -84,16 +84,22 @@ def _device_axes(axis_name, model_axis):
 
 
 class _Step(NamedTuple):
-  """What one branch of the phase switch computed."""
+  """What one branch of the phase switch computed: only what differs between the phases.
+
+  The full-size elementwise work (the moments, the worker's residual) is done
+  after the switch (see :func:`_new_moments`, :func:`_new_worker_error`), where
+  XLA writes it into the donated state buffers; a conditional's full-size
+  results would each get a fresh temporary and a copy into the output.
+  """
 
   finite: jax.Array
-  mu: jax.Array
-  nu: jax.Array
+  avg: jax.Array  # (padded,) float32: the mean gradient (warmup) or the mean momentum (compression).
   frozen: jax.Array
   freeze_step: jax.Array
   variance_ratio: jax.Array
   reference_l1: jax.Array
-  worker_error: jax.Array
+  worker_scale: jax.Array  # (blocks,) float32: the worker compression's scale of each block (0 in warmup).
+  worker_error: Any  # hierarchical: the new worker error (its input lives in the branch); flat: None.
   server_error: jax.Array
   wire_bytes: jax.Array
 
@@ -179,38 +185,40 @@ def _leaf_update(mu, nu, frozen, bc1, bc2, finite, hp: _Hyper):
   return jnp.where(finite, step, 0.0)
 
 
-def _updates(step: "_Step", state, count, hp: _Hyper, layout, grads, treedef):
+def _updates(mu, nu, finite, state, count, hp: _Hyper, layout, grads, treedef):
   """The update tree, leaf by leaf from the new moments (see :func:`_leaf_update`)."""
   bc1 = _bias_correction(hp.b1, count)
   bc2 = _bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
-  mu = layout.unflatten(step.mu.astype(jnp.float32), treedef)
-  nu = layout.unflatten(step.nu.astype(jnp.float32), treedef)
+  mu = layout.unflatten(mu.astype(jnp.float32), treedef)
+  nu = layout.unflatten(nu.astype(jnp.float32), treedef)
   # A zero-size leaf gets its (empty) update without any operation on it: XLA
   # 0.11 crashed compiling zero-size reductions next to collectives.
   out = [jnp.zeros(jnp.shape(g), jnp.result_type(g)) if size == 0 else
-         _leaf_update(m, v, state.frozen, bc1, bc2, step.finite, hp).astype(jnp.result_type(g))
+         _leaf_update(m, v, state.frozen, bc1, bc2, finite, hp).astype(jnp.result_type(g))
          for m, v, g, size in zip(jax.tree.leaves(mu), jax.tree.leaves(nu), grads, layout.sizes)]
   return jax.tree.unflatten(treedef, out)
 
 
+def _hierarchical(hp: _Hyper) -> bool:
+  return _collective.split_axes(hp.axis_name)[1] is not None
+
+
+def _local_momentum(grads, state, hp: _Hyper, layout) -> jax.Array:
+  """This device's momentum :math:`\\beta_1 m + (1-\\beta_1) g_i` on the flat buffer (fused, not stored)."""
+  return (1.0 - hp.b1) * layout.flatten(grads) + hp.b1 * state.mu.astype(jnp.float32)
+
+
 def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
-  """Adam's moments on the full-precision mean gradient (one float32 pmean of the flat buffer)."""
-  # The worker error buffer is all zeros during warmup (padding included): the
-  # gradients are written into it leaf by leaf (in place when the state is
-  # donated, where a concatenate would cost a fresh buffer) and it is returned
-  # zeroed below. (Under hierarchical averaging it only holds a slice.)
-  scratch = state.worker_error[0].astype(jnp.float32)
-  flat = (layout.combine_into(scratch, grads, lambda g, _: g)
-          if scratch.shape == (layout.padded,) else layout.flatten(grads))
-  g = _collective.full_precision_mean(flat, hp.axis_name)
+  """The full-precision mean gradient (one float32 pmean of the flat buffer) and the freeze decision."""
+  g = _collective.full_precision_mean(layout.flatten(grads), hp.axis_name)
   # Read off the replicated mean, which every device's gradient reaches: all
   # devices agree on it without another collective (but a model-parallel axis).
   finite = (_collective._all_true(jnp.all(jnp.isfinite(g)), hp.model_axis)
             if hp.skip_nonfinite else jnp.bool_(True))
-  mu32, nu32 = state.mu.astype(jnp.float32), state.nu.astype(jnp.float32)
-  mu = jnp.where(finite, (1.0 - hp.b1) * g + hp.b1 * mu32, mu32)
-  nu = jnp.where(finite, (1.0 - hp.b2) * jnp.square(g) + hp.b2 * nu32, nu32)
-  l1 = jnp.sum(nu)
+  # The new nu's norm only (a reduction): nu itself is written after the switch.
+  # No select on `finite` inside the sum (it made XLA:CPU store the summand):
+  # on a skipped step the freeze decision is discarded anyway.
+  l1 = jnp.sum((1.0 - hp.b2) * jnp.square(g) + hp.b2 * state.nu.astype(jnp.float32))
   if hp.model_axis is not None:  # the whole model's norm, so every shard freezes together
     l1 = jax.lax.psum(l1, hp.model_axis)
   freeze_now, reference, ratio = _freeze.freeze_decision(
@@ -218,10 +226,13 @@ def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> 
       state.variance_ratio, hp.b2)
   freeze_now = freeze_now & finite
   return _Step(
-      finite=finite, mu=mu, nu=nu,
+      finite=finite, avg=g,
       frozen=freeze_now, freeze_step=jnp.where(freeze_now, count, 0).astype(jnp.int32),
       variance_ratio=ratio, reference_l1=reference,
-      worker_error=_collective.vary(jnp.zeros_like(state.worker_error), hp.device_axes),
+      worker_scale=_collective.vary(jnp.zeros((layout.num_blocks,), jnp.float32),
+                                    hp.device_axes),
+      # Hierarchical: the buffer is all zeros in warmup; returned as it is.
+      worker_error=state.worker_error if _hierarchical(hp) else None,
       server_error=state.server_error,
       wire_bytes=jnp.float32(
           _collective.step_wire_bytes(layout, hp.axis_name, compressed=False)))
@@ -230,25 +241,63 @@ def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> 
 def _compression(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
   """The momentum, from local gradients, averaged by the 1-bit compressed mean; v frozen."""
   del count
-  mu32 = state.mu.astype(jnp.float32)
-  # One flat copy of the gradients (a dynamic_update_slice into the momentum's
-  # own buffer that reads that buffer is ~100x slower on XLA:CPU).
-  local_mu = (1.0 - hp.b1) * layout.flatten(grads) + hp.b1 * mu32
-  mean_mu, worker_error, server_error, finite = _collective.compressed_mean_and_check(
-      local_mu, state.worker_error[0].astype(jnp.float32),
-      state.server_error[0].astype(jnp.float32), hp.axis_name, layout=layout,
-      keep_errors_if_nonfinite=hp.skip_nonfinite, agree_axis=hp.model_axis)
+  local_mu = _local_momentum(grads, state, hp, layout)
+  worker_error = state.worker_error[0].astype(jnp.float32)
+  server_error = state.server_error[0].astype(jnp.float32)
+  worker_scale, new_worker_error = jnp.zeros((layout.num_blocks,), jnp.float32), None
+  if _hierarchical(hp):
+    # The worker compresses its slice of the node's mean: the residual needs
+    # that slice, which exists only here.
+    mean_mu, new_worker_error, server_error, finite = _collective.compressed_mean_and_check(
+        local_mu, worker_error, server_error, hp.axis_name, layout=layout,
+        keep_errors_if_nonfinite=hp.skip_nonfinite, agree_axis=hp.model_axis)
+    new_worker_error = new_worker_error[None].astype(state.worker_error.dtype)
+    worker_scale = _collective.vary(worker_scale, hp.device_axes)
+  else:
+    out = _collective.compressed_average(
+        local_mu, worker_error, server_error, hp.axis_name, layout=layout,
+        keep_server_error_if_nonfinite=hp.skip_nonfinite, agree_axis=hp.model_axis)
+    mean_mu, worker_scale, server_error, finite = out
   if not hp.skip_nonfinite:
     finite = jnp.bool_(True)
   return _Step(
-      finite=finite, mu=jnp.where(finite, mean_mu, mu32), nu=state.nu.astype(jnp.float32),
-      frozen=state.frozen,
+      finite=finite, avg=mean_mu, frozen=state.frozen,
       freeze_step=state.freeze_step, variance_ratio=state.variance_ratio,
-      reference_l1=state.reference_l1,
-      worker_error=worker_error[None].astype(state.worker_error.dtype),
+      reference_l1=state.reference_l1, worker_scale=worker_scale,
+      worker_error=new_worker_error,
       server_error=server_error[None].astype(state.server_error.dtype),
       wire_bytes=jnp.float32(
           _collective.step_wire_bytes(layout, hp.axis_name, compressed=True)))
+
+
+def _new_moments(step: _Step, state, hp: _Hyper):
+  """The new ``mu`` and ``nu``, elementwise from the switch's averaged vector.
+
+  Warmup: Adam's moments of the mean gradient; compression: ``mu`` is the mean
+  momentum and ``nu`` stays frozen. A select on the phase, outside the switch,
+  so that XLA writes both in place into the donated moments.
+  """
+  mu32, nu32 = state.mu.astype(jnp.float32), state.nu.astype(jnp.float32)
+  g = step.avg
+  mu = jnp.where(state.frozen, g, (1.0 - hp.b1) * g + hp.b1 * mu32)
+  nu = (1.0 - hp.b2) * jnp.square(g) + hp.b2 * nu32
+  return (jnp.where(step.finite, mu, mu32),
+          jnp.where(step.finite & jnp.logical_not(state.frozen), nu, nu32))
+
+
+def _new_worker_error(step: _Step, state, grads, hp: _Hyper, layout):
+  """The new worker error: the residual of the compression, read old and written in place.
+
+  Recomputed from the local momentum and the old error with the scales the
+  switch returned (so ``u`` is never stored); the old error is kept in warmup
+  (it is zero then) and on a skipped step.
+  """
+  if step.worker_error is not None:
+    return step.worker_error
+  old = state.worker_error.astype(jnp.float32)  # (1, padded), as stored: see worker_residual
+  new = _collective.worker_residual(
+      _local_momentum(grads, state, hp, layout), old, step.worker_scale, layout)
+  return jnp.where(state.frozen & step.finite, new, old).astype(state.worker_error.dtype)
 
 
 def _short(sizes, limit: int = 8) -> str:
@@ -493,21 +542,23 @@ def scale_by_onebit_adam(
         lambda g: _compression(g, state, count_inc, hp, layout),
         lambda g: _warmup(g, state, count_inc, hp, layout), operands)
     pick = lambda new, old: jnp.where(step.finite, new, old)
+    worker_error = _new_worker_error(step, state, grads, hp, layout)
+    mu, nu = _new_moments(step, state, hp)
     new_state = ScaleByOnebitAdamState(
         count=pick(count_inc, state.count),
         leaf_sizes=state.leaf_sizes,
-        mu=step.mu.astype(state.mu.dtype),
-        nu=step.nu.astype(state.nu.dtype),
+        mu=mu.astype(state.mu.dtype),
+        nu=nu.astype(state.nu.dtype),
         frozen=pick(step.frozen, state.frozen),
         freeze_step=pick(step.freeze_step, state.freeze_step),
         variance_ratio=pick(step.variance_ratio, state.variance_ratio),
         reference_l1=pick(step.reference_l1, state.reference_l1),
         wire_bytes=step.wire_bytes,
         skipped_steps=state.skipped_steps + jnp.where(step.finite, 0, 1).astype(jnp.int32),
-        worker_error=step.worker_error,
+        worker_error=worker_error,
         server_error=step.server_error,
     )
-    return _updates(step, state, count_inc, hp, layout, grads, treedef), new_state
+    return _updates(mu, nu, step.finite, state, count_inc, hp, layout, grads, treedef), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
