@@ -18,6 +18,7 @@ __all__ = [
     "full_precision_mean",
     "allreduce_wire_bytes",
     "compressed_wire_bytes",
+    "axis_names",
     "error_sizes",
     "split_axes",
     "step_wire_bytes",
@@ -44,6 +45,12 @@ def split_axes(axis_name: AxisName) -> tuple:
         "pair of two different axes (slow, fast), e.g. ('node', 'local'): the mean over "
         "'local' is taken in full precision, the one over 'node' in 1 bit.")
   return axis_name
+
+
+def axis_names(*axes: AxisName) -> tuple:
+  """The mesh axis names in ``axes`` (each a name, a tuple of names, or None), in order."""
+  return tuple(name for a in axes if a is not None
+               for name in (a if isinstance(a, (tuple, list)) else (a,)))
 
 
 def axis_size(axis_name: AxisName, *, caller: str = "onebit_optax") -> int:
@@ -84,10 +91,7 @@ def _varying_axes(x) -> frozenset:
 
 def vary(x, axis_name: AxisName):
   """Marks ``x`` as differing across devices (the type of per-device buffers under check_vma)."""
-  if axis_name is None:
-    return x
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  missing = tuple(name for name in names if name not in _varying_axes(x))
+  missing = tuple(name for name in axis_names(axis_name) if name not in _varying_axes(x))
   if not missing:
     return x
   try:

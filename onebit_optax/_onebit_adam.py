@@ -74,13 +74,7 @@ class _Hyper(NamedTuple):
   @property
   def device_axes(self):
     """The axes over which the per-device error buffers differ."""
-    return _device_axes(self.axis_name, self.model_axis)
-
-
-def _device_axes(axis_name, model_axis):
-  names = [a for axes in (axis_name, model_axis) if axes is not None
-           for a in (axes if isinstance(axes, tuple) else (axes,))]
-  return tuple(names) if names else None
+    return _collective.axis_names(self.axis_name, self.model_axis) or None
 
 
 class _Step(NamedTuple):
@@ -339,9 +333,8 @@ def _check_update(updates, state, axis_name):
         "made for another device count: re-init it on this mesh, or restore it with "
         "onebit_optax.restore_checkpoint (which moves it to another device count). Under "
         "shard_map, shard it with onebit_optax.state_partition_specs(state, axis_name).")
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  replicated = [name for name in names if name is not None
-                and name in _collective._varying_axes(state.worker_error)
+  replicated = [name for name in _collective.axis_names(axis_name)
+                if name in _collective._varying_axes(state.worker_error)
                 and any(name not in _collective._varying_axes(g)
                         for g in jax.tree.leaves(updates))]
   if replicated:

@@ -99,7 +99,7 @@ def model_replicated(new_params, params, model_axis: Hashable):
     >>> step(w, jnp.zeros(1))
     (Array([1., 1.], dtype=float32), Array([2.], dtype=float32))
   """
-  axes = _mesh_axes(model_axis)
+  axes = _collective.axis_names(model_axis)
   new_leaves, treedef = jax.tree.flatten(new_params)
   old_leaves = treedef.flatten_up_to(params)
   # The leaves to retype: replicated in params, typed varying in new_params.
@@ -122,9 +122,7 @@ def model_replicated(new_params, params, model_axis: Hashable):
 
 def _device_axes(axis_name: Hashable, model_axis: Optional[Hashable]):
   """The mesh axes that number the devices holding one error buffer each, data axes first."""
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  if model_axis is not None:
-    axes += tuple(model_axis) if isinstance(model_axis, (tuple, list)) else (model_axis,)
+  axes = _collective.axis_names(axis_name, model_axis)
   return axes[0] if len(axes) == 1 else axes
 
 
@@ -200,10 +198,6 @@ def state_partition_specs(opt_state, axis_name: Hashable,
       is_leaf=lambda x: isinstance(x, (ScaleByOnebitAdamState, CompressedMeanState)))
 
 
-def _mesh_axes(axes) -> tuple:
-  return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-
-
 def _is_spec(x) -> bool:
   return isinstance(x, P)
 
@@ -222,14 +216,14 @@ def _check_axes(mesh: Mesh, axis_name, model_axis, caller: str) -> None:
   for name, axes in (("axis_name", axis_name), ("model_axis", model_axis)):
     if axes is None and name == "model_axis":
       continue
-    missing = [a for a in _mesh_axes(axes) if a not in mesh.axis_names]
+    missing = [a for a in _collective.axis_names(axes) or (None,) if a not in mesh.axis_names]
     if missing:
       what = ("the data-parallel axis the optimizer was built with" if name == "axis_name"
               else "the mesh axis the parameters are sharded over")
       raise ValueError(
           f"{caller}: {name}={axes!r} is not an axis of the mesh "
           f"{dict(mesh.shape)}; pass {what}.")
-  if model_axis is not None and set(_mesh_axes(model_axis)) & set(_mesh_axes(axis_name)):
+  if model_axis is not None and set(_collective.axis_names(model_axis)) & set(_collective.axis_names(axis_name)):
     raise ValueError(
         f"{caller}: model_axis={model_axis!r} overlaps axis_name={axis_name!r}; the "
         "parameters are sharded over the model axis and replicated over the data axis.")
@@ -259,20 +253,20 @@ def _spec_axes(param_specs) -> set:
   for spec in jax.tree.leaves(param_specs, is_leaf=_is_spec):
     for entry in spec if isinstance(spec, P) else ():
       if entry is not None:
-        axes.update(_mesh_axes(entry))
+        axes.update(_collective.axis_names(entry))
   return axes
 
 
 def _check_param_specs(param_specs, axis_name, model_axis, caller: str) -> None:
   named = _spec_axes(param_specs)
-  on_data = named & set(_mesh_axes(axis_name))
+  on_data = named & set(_collective.axis_names(axis_name))
   if on_data:
     raise ValueError(
         f"{caller}: param_specs shard the parameters over {sorted(on_data)}, the "
         f"data-parallel axis ({axis_name!r}): with 1-bit Adam the parameters are "
         "replicated over the data axis (each data replica holds the whole model, or its "
         "model shard) and only the batch is split over it.")
-  other = named - set(_mesh_axes(model_axis) if model_axis is not None else ())
+  other = named - set(_collective.axis_names(model_axis))
   if other:
     raise ValueError(
         f"{caller}: param_specs shard the parameters over {sorted(other)}, but "
