@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from onebit_optax import _compressor
 from onebit_optax import _layout
+from onebit_optax import _wire
 
 __all__ = [
     "axis_size",
@@ -235,18 +236,6 @@ def _chunk_slice(table, r, length: int):
   return jax.lax.dynamic_slice_in_dim(table, r * length, length)
 
 
-def _scales_to_bytes(scales: jax.Array) -> jax.Array:
-  """(..., S) float32 -> (..., 4 S) uint8 (the bytes of each scale, in order)."""
-  raw = jax.lax.bitcast_convert_type(scales.astype(jnp.float32), jnp.uint8)
-  return raw.reshape(scales.shape[:-1] + (-1,))
-
-
-def _scales_from_bytes(raw: jax.Array) -> jax.Array:
-  """Inverse of :func:`_scales_to_bytes`."""
-  return jax.lax.bitcast_convert_type(
-      raw.reshape(raw.shape[:-1] + (-1, _SCALE_BYTES)), jnp.float32)
-
-
 def _decode(packed: jax.Array, block_scale: jax.Array, block: int) -> jax.Array:
   """(blocks * block / 8,) packed signs and (blocks,) scales -> (blocks, block) float32."""
   return _compressor.sign_decompress(packed.reshape(-1, block // 8), block_scale, block)
@@ -422,6 +411,70 @@ def _gather(message: jax.Array, slow: AxisName, fast: AxisName) -> jax.Array:
   return gathered.reshape(-1, message.shape[0])
 
 
+class Served(NamedTuple):
+  """What the server of one chunk computes from the rows it received."""
+
+  message: jax.Array  # (row_bytes,) uint8: its packed signs, its scales, the exact means.
+  residual: jax.Array  # (chunk,) float32: the new server error, w - C(w).
+
+
+def serve(received: jax.Array, server_error: jax.Array, bits: _layout.FlatLayout, *,
+          exact_chunk: int, chunk_index, n_slow: int) -> Served:
+  """Phase 2 on one server: average the received rows of its chunk, add its error, re-compress.
+
+  ``received`` (n_slow, row_bytes) holds, from each worker, the packed signs of
+  chunk ``chunk_index``, the scale of each of the chunk's segments and
+  ``exact_chunk`` float32 values. The signs are decoded with their worker's
+  scales and averaged (an explicit sum over the rows: XLA:CPU lowered a mean
+  over the row axis to a slow strided reduction), the server error is added,
+  and the result is compressed again with one RMS scale per segment; the
+  exact floats are averaged as they are.
+  """
+  block, segments = bits.block, bits.max_segments
+  chunk_bytes, per_chunk = bits.chunk // 8, bits.num_blocks // bits.num_devices
+  tables = bits.tables
+  local_segment = _chunk_slice(tables.wire_segment, chunk_index, per_chunk) - chunk_index * segments
+  chunk_valid = bits.valid(_chunk_slice(tables.block_valid, chunk_index, per_chunk))
+  worker_scales = _wire.scales_from_bytes(
+      received[:, chunk_bytes:chunk_bytes + 4 * segments])[:, local_segment]
+  chunk_sum = _decode(received[0, :chunk_bytes], worker_scales[0], block)
+  for i in range(1, n_slow):
+    chunk_sum = chunk_sum + _decode(received[i, :chunk_bytes], worker_scales[i], block)
+  w = jnp.where(chunk_valid, chunk_sum / n_slow + server_error.reshape(-1, block), 0.0)
+  server_scales = _compressor.segment_rms(
+      w, local_segment, _chunk_slice(tables.segment_count, chunk_index, segments))
+  parts = [jnp.packbits(w.reshape(-1) >= 0, bitorder=_compressor._BITORDER),
+           _wire.scales_to_bytes(server_scales)]
+  if exact_chunk:
+    floats = _wire.scales_from_bytes(received[:, chunk_bytes + 4 * segments:])
+    total = floats[0]
+    for i in range(1, n_slow):
+      total = total + floats[i]
+    parts.append(_wire.scales_to_bytes(total / n_slow))
+  residual = _compressor.sign_residual(w, server_scales[local_segment], chunk_valid)
+  return Served(jnp.concatenate(parts), residual.reshape(-1))
+
+
+def gathered_finite(gathered: jax.Array, bits: _layout.FlatLayout) -> jax.Array:
+  """Whether every scale and exact float of the gathered messages is finite (the same on every device).
+
+  A NaN or Inf in any device's input makes its segment's scale (or its exact
+  float) non-finite at the server, and every device sees every server's
+  message: the flag needs no collective of its own.
+  """
+  values = _wire.scales_from_bytes(gathered[:, bits.chunk // 8:])
+  return jnp.all(jnp.isfinite(values))
+
+
+def _decode_stream(gathered: jax.Array, bits: _layout.FlatLayout) -> jax.Array:
+  """The whole gathered bit stream with its segment scales, as (blocks, block) float32."""
+  chunk_bytes = bits.chunk // 8
+  scales = _wire.scales_from_bytes(
+      gathered[:, chunk_bytes:chunk_bytes + 4 * bits.max_segments]).reshape(-1)
+  return _decode(gathered[:, :chunk_bytes].reshape(-1), scales[bits.tables.wire_segment],
+                 bits.block)
+
+
 def compressed_mean_and_check(x, worker_error, server_error, axis_name, *,
                               layout=None, keep_errors_if_nonfinite: bool,
                               agree_axis: AxisName = None):
@@ -513,38 +566,17 @@ def compressed_average(x, worker_error, server_error, axis_name, *, layout,
   scales = _compressor.segment_rms(u, part.segment, part.segment_count)
   packed = jnp.packbits(u.reshape(-1) >= 0, bitorder=_compressor._BITORDER)
   rows = jnp.concatenate([packed.reshape(n_slow, chunk_bytes),
-                          _scales_to_bytes(scales.reshape(n_slow, segments))], 1)
+                          _wire.scales_to_bytes(scales.reshape(n_slow, segments))], 1)
   if slow is not None:
     rows = jax.lax.all_to_all(rows, slow, split_axis=0, concat_axis=0, tiled=True)
 
-  # Row i is now slow-axis device i's compressed version of our chunk r.
   r = _axis_index(slow)
-  local_segment = _chunk_slice(part.segment, r, blocks_per_chunk) - r * segments
-  chunk_valid = layout.valid(_chunk_slice(part.block_valid, r, blocks_per_chunk))
-  worker_scales = _scales_from_bytes(rows[:, chunk_bytes:])[:, local_segment]
-  # An explicit sum over the rows: XLA:CPU lowers jnp.mean(axis=0) of the
-  # decoded (n, ...) block to a slow strided reduction (~20x slower, measured in
-  # benchmarks/optimizer_compute.py); the row sum fuses decode and accumulate.
-  chunk_sum = _decode(rows[0, :chunk_bytes], worker_scales[0], block)
-  for i in range(1, n_slow):
-    chunk_sum = chunk_sum + _decode(rows[i, :chunk_bytes], worker_scales[i], block)
-
-  # Phase 2: as server of this chunk, re-compress the average with our own error
-  # feedback and share it with everyone (over the slow axis, then the fast one).
-  w = jnp.where(chunk_valid, chunk_sum / n_slow + server_error.reshape(-1, block), 0.0)
-  server_scales = _compressor.segment_rms(
-      w, local_segment, _chunk_slice(part.segment_count, r, segments))
-  message = jnp.concatenate([
-      jnp.packbits(w.reshape(-1) >= 0, bitorder=_compressor._BITORDER),
-      _scales_to_bytes(server_scales)])
-  gathered = _gather(message, slow, fast)
-  tables, valid = layout.tables, layout.valid()
-  gathered_scales = _scales_from_bytes(gathered[:, chunk_bytes:]).reshape(-1)
-  mean = jnp.where(valid, _decode(gathered[:, :chunk_bytes].reshape(-1),
-                                  gathered_scales[tables.wire_segment], block), 0.0)
-  finite = _all_true(jnp.all(jnp.isfinite(gathered_scales)), agree_axis)
-  new_server_error = _compressor.sign_residual(
-      w, server_scales[local_segment], chunk_valid).reshape(-1)
+  served = serve(rows, server_error, layout, exact_chunk=0, chunk_index=r + _axis_index(fast) * n_slow,
+                 n_slow=n_slow)
+  gathered = _gather(served.message, slow, fast)
+  mean = jnp.where(layout.valid(), _decode_stream(gathered, layout), 0.0)
+  finite = _all_true(gathered_finite(gathered, layout), agree_axis)
+  new_server_error = served.residual
   if keep_server_error_if_nonfinite:
     # A select, fused into the residual's pass (a cond stored the residual first).
     new_server_error = jnp.where(finite, new_server_error, server_error)

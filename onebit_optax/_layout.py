@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BLOCK", "FlatLayout", "layout_for", "cached_layout"]
+__all__ = ["BLOCK", "EXACT_BELOW", "FlatLayout", "WireLayout", "layout_for", "cached_layout",
+           "wire_layout_for"]
 
 # Elements per block. Every leaf starts on a block boundary (it is zero-padded to a
 # multiple of BLOCK), so a per-leaf reduction is a reshape to (blocks, BLOCK), a row
@@ -166,3 +167,117 @@ def layout_for(tree, num_devices: int, block: int = BLOCK) -> FlatLayout:
   """The :class:`FlatLayout` of ``tree``'s leaves on ``num_devices`` devices (cached)."""
   shapes = tuple(tuple(int(d) for d in np.shape(leaf)) for leaf in jax.tree.leaves(tree))
   return cached_layout(shapes, int(num_devices), int(block))
+
+
+# Leaves with fewer elements than this travel as float32 bytes inside the two
+# uint8 messages and are averaged exactly (1 bit cannot carry a two-element
+# leaf or a scalar gate). Chosen from benchmarks/wire_overhead.py: see there.
+EXACT_BELOW = 64
+_SCALE_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class WireLayout:
+  r"""How 1-bit Adam's leaves travel: packed signs, or exact float32 bytes.
+
+  Leaves with at least ``exact_below`` elements are **compressed**: their
+  signs are packed leaf after leaf into one bit stream laid out by
+  :class:`FlatLayout` (each leaf on a 128-element block, the stream cut into
+  ``num_devices`` equal chunks; server ``r`` owns chunk ``r``, one scale per
+  segment). Smaller leaves are **exact**: concatenated as float32 and cut into
+  ``num_devices`` chunks of ``exact_chunk`` elements.
+
+  One message (a row of phase 1, or a server's reply in phase 2) is, in bytes,
+
+  .. math::
+
+    \underbrace{c/8}_{\text{signs}} + \underbrace{4S}_{\text{scales}} +
+    \underbrace{4e}_{\text{exact floats}}
+
+  with :math:`c` the chunk length, :math:`S` the segments per chunk and
+  :math:`e` = ``exact_chunk``. Nothing full-size is ever laid out flat: only
+  the packed bytes (1/32 of the float32 bytes) are concatenated.
+  """
+
+  shapes: tuple
+  num_devices: int
+  exact_below: int = EXACT_BELOW
+
+  @functools.cached_property
+  def sizes(self) -> tuple:
+    return tuple(int(math.prod(s)) for s in self.shapes)
+
+  @functools.cached_property
+  def compressed(self) -> tuple:
+    """Indices (in ``jax.tree.leaves`` order) of the leaves sent as signs."""
+    return tuple(i for i, s in enumerate(self.sizes) if s >= max(self.exact_below, 1))
+
+  @functools.cached_property
+  def exact(self) -> tuple:
+    """Indices of the non-empty leaves sent as float32."""
+    return tuple(i for i, s in enumerate(self.sizes) if 0 < s < self.exact_below)
+
+  @functools.cached_property
+  def bits(self) -> FlatLayout:
+    """The bit stream of the compressed leaves (its ``padded`` is a multiple of 128 n)."""
+    return cached_layout(tuple(self.shapes[i] for i in self.compressed), self.num_devices, BLOCK)
+
+  @functools.cached_property
+  def exact_offsets(self) -> tuple:
+    out, offset = [], 0
+    for i in self.exact:
+      out.append(offset)
+      offset += self.sizes[i]
+    return tuple(out)
+
+  @property
+  def exact_size(self) -> int:
+    return sum(self.sizes[i] for i in self.exact)
+
+  @property
+  def exact_chunk(self) -> int:
+    return -(-self.exact_size // self.num_devices)
+
+  @property
+  def chunk_bytes(self) -> int:
+    return self.bits.chunk // 8
+
+  @property
+  def segments(self) -> int:
+    return self.bits.max_segments
+
+  @property
+  def row_bytes(self) -> int:
+    """Bytes of one message: packed signs, scales, exact floats."""
+    return self.chunk_bytes + _SCALE_BYTES * (self.segments + self.exact_chunk)
+
+  @functools.cached_property
+  def segment_leaf(self) -> np.ndarray:
+    """(num_devices * segments,) int32: position in ``compressed`` of each wire segment's leaf.
+
+    Unused slots and the tail padding map to ``len(compressed)`` (a zero scale).
+    """
+    tables = self.bits.tables
+    out = np.full(self.num_devices * self.segments, len(self.compressed), np.int32)
+    out[tables.wire_segment] = tables.leaf_of_block
+    return out
+
+  @functools.cached_property
+  def block_scale_index(self) -> tuple:
+    """Per compressed leaf: (blocks,) int32 wire segment of each of its blocks."""
+    tables, out = self.bits.tables, []
+    for k, (offset, size) in enumerate(zip(self.bits.offsets, self.bits.sizes)):
+      first = offset // BLOCK
+      out.append(tables.wire_segment[first:first + -(-size // BLOCK)])
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def cached_wire_layout(shapes: tuple, num_devices: int, exact_below: int) -> WireLayout:
+  return WireLayout(shapes, num_devices, exact_below)
+
+
+def wire_layout_for(tree, num_devices: int, exact_below: int = EXACT_BELOW) -> WireLayout:
+  """The :class:`WireLayout` of ``tree``'s leaves on ``num_devices`` devices (cached)."""
+  shapes = tuple(tuple(int(d) for d in np.shape(leaf)) for leaf in jax.tree.leaves(tree))
+  return cached_wire_layout(shapes, int(num_devices), int(exact_below))

@@ -1,0 +1,91 @@
+"""The messages of 1-bit Adam: packing a tree into them and reading leaves back (no axis names)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from onebit_optax import _compressor
+from onebit_optax import _layout
+
+__all__ = ["leaf_signs", "leaf_rms", "rows", "message_leaf", "message_exact", "scales_to_bytes",
+           "scales_from_bytes"]
+
+_BLOCK = _layout.BLOCK
+
+
+def scales_to_bytes(scales: jax.Array) -> jax.Array:
+  """(..., S) float32 -> (..., 4 S) uint8 (the bytes of each scale, in order)."""
+  raw = jax.lax.bitcast_convert_type(scales.astype(jnp.float32), jnp.uint8)
+  return raw.reshape(scales.shape[:-1] + (-1,))
+
+
+def scales_from_bytes(raw: jax.Array) -> jax.Array:
+  """Inverse of :func:`scales_to_bytes`."""
+  return jax.lax.bitcast_convert_type(raw.reshape(raw.shape[:-1] + (-1, 4)), jnp.float32)
+
+
+def leaf_signs(u: jax.Array) -> jax.Array:
+  """The packed signs of one leaf (any shape), padded to whole 128-element blocks (16 B each)."""
+  flat = jnp.ravel(u)
+  pad = -flat.shape[0] % _BLOCK
+  bits = flat >= 0
+  if pad:
+    bits = jnp.concatenate([bits, jnp.ones((pad,), jnp.bool_)])
+  return jnp.packbits(bits, bitorder=_compressor._BITORDER)
+
+
+def leaf_rms(u: jax.Array) -> jax.Array:
+  """Root mean square of one leaf (its 1-bit scale)."""
+  return jnp.sqrt(jnp.sum(jnp.square(u)) / max(u.size, 1))
+
+
+def rows(layout: _layout.WireLayout, signs: list, leaf_scales: jax.Array,
+         exact: jax.Array) -> jax.Array:
+  """Phase 1's rows: row ``r`` is what goes to server ``r`` (its chunk of the signs, scales, floats).
+
+  Args:
+    layout: the wire layout.
+    signs: per compressed leaf, the output of :func:`leaf_signs`.
+    leaf_scales: (compressed leaves,) float32: each leaf's scale; a segment
+      carries the scale of its leaf.
+    exact: (exact_size,) float32: the exact leaves, concatenated.
+
+  Returns:
+    (num_devices, row_bytes) uint8.
+  """
+  n, bits = layout.num_devices, layout.bits
+  tail = (bits.padded - bits.used) // 8
+  pieces = list(signs) + ([jnp.zeros((tail,), jnp.uint8)] if tail else [])
+  stream = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+  scales = jnp.concatenate([leaf_scales.astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
+  table = jnp.asarray(layout.segment_leaf.reshape(n, layout.segments))
+  parts = [stream.reshape(n, layout.chunk_bytes), scales_to_bytes(scales[table])]
+  if layout.exact_chunk:
+    pad = n * layout.exact_chunk - layout.exact_size
+    floats = jnp.concatenate([exact, jnp.zeros((pad,), jnp.float32)]) if pad else exact
+    parts.append(scales_to_bytes(floats.reshape(n, layout.exact_chunk)))
+  return jnp.concatenate(parts, axis=1)
+
+
+def message_leaf(layout: _layout.WireLayout, gathered: jax.Array, k: int, shape) -> jax.Array:
+  """Compressed leaf ``k`` (position in ``layout.compressed``) decoded from the gathered messages.
+
+  Elementwise from the packed bytes: XLA fuses the unpacking into the consumer.
+  """
+  bits = layout.bits
+  offset, size = bits.offsets[k], bits.sizes[k]
+  nblocks = -(-size // _BLOCK)
+  stream = gathered[:, :layout.chunk_bytes].reshape(-1)
+  packed = jax.lax.slice_in_dim(stream, offset // 8, offset // 8 + nblocks * _BLOCK // 8)
+  scales = scales_from_bytes(
+      gathered[:, layout.chunk_bytes:layout.chunk_bytes + 4 * layout.segments]).reshape(-1)
+  block_scale = scales[jnp.asarray(layout.block_scale_index[k])]
+  decoded = _compressor.sign_decompress(packed.reshape(nblocks, _BLOCK // 8), block_scale, _BLOCK)
+  return decoded.reshape(-1)[:size].reshape(shape)
+
+
+def message_exact(layout: _layout.WireLayout, gathered: jax.Array) -> jax.Array:
+  """The exact leaves' floats (exact_size,) from the gathered messages."""
+  start = layout.chunk_bytes + 4 * layout.segments
+  return scales_from_bytes(gathered[:, start:]).reshape(-1)[:layout.exact_size]
