@@ -81,6 +81,62 @@ def axis_size(axis_name: AxisName, *, caller: str = "onebit_optax") -> int:
         "over a model axis).") from e
 
 
+class Axes(NamedTuple):
+  """The mesh as one update sees it, resolved once (:func:`resolve_axes`) and passed down."""
+
+  data: AxisName  # axis_name as given: None, a name, or (slow, fast).
+  slow: AxisName  # the axis the 1-bit messages cross (the only one for a flat mesh).
+  fast: AxisName  # hierarchical: the axis averaged in float32 first; else None.
+  model: AxisName  # the model-parallel axis (or axes), or None.
+  n_slow: int
+  n_fast: int
+
+  @property
+  def num_devices(self) -> int:
+    """Data-parallel devices: chunks of the wire layout."""
+    return self.n_slow * self.n_fast
+
+  @property
+  def hierarchical(self) -> bool:
+    return self.fast is not None
+
+  @property
+  def device_axes(self):
+    """The axes over which the per-device buffers differ (None without any)."""
+    return axis_names(self.data, self.model) or None
+
+
+def resolve_axes(axis_name: AxisName, model_axis: AxisName = None, *,
+                 caller: str = "onebit_optax") -> Axes:
+  """Reads the sizes of the data (and model) axes once; refuses unbound or malformed names."""
+  slow, fast = split_axes(axis_name)
+  return Axes(axis_name, slow, fast, model_axis, axis_size(slow, caller=caller),
+              axis_size(fast, caller=caller))
+
+
+def onebit_exchange(rows: jax.Array, server_error, layout: _layout.WireLayout, axes: Axes, *,
+                    keep_if_nonfinite: bool):
+  """Phase 1 (``all_to_all`` of ``rows``), the server's phase 2 and the ``all_gather``, flat axis.
+
+  Returns ``(gathered, new_server_error, finite)``: the (n, row_bytes) messages
+  of all servers (identical on every device: the new mean, packed), the new
+  server error (the old one where the step is not finite and
+  ``keep_if_nonfinite``), and whether every scale and exact float is finite,
+  agreed over the model axis. With one device there is no server: the mean
+  of one compressed vector is that vector, ``rows`` itself.
+  """
+  if axes.n_slow == 1:
+    return rows, server_error, _all_true(gathered_finite(rows, layout.bits), axes.model)
+  received = jax.lax.all_to_all(rows, axes.slow, split_axis=0, concat_axis=0, tiled=True)
+  old = server_error[0].astype(jnp.float32)
+  served = serve(received, old, layout.bits, exact_chunk=layout.exact_chunk,
+                 chunk_index=jax.lax.axis_index(axes.slow), n_slow=axes.n_slow)
+  gathered = _gather(served.message, axes.slow, None)
+  finite = _all_true(gathered_finite(gathered, layout.bits), axes.model)
+  new = jnp.where(finite, served.residual, old) if keep_if_nonfinite else served.residual
+  return gathered, new[None].astype(server_error.dtype), finite
+
+
 def _varying_axes(x) -> frozenset:
   """Mesh axes over which ``x`` is typed as varying (empty outside check_vma)."""
   aval = jax.typeof(x)
@@ -513,6 +569,7 @@ class Averaged(NamedTuple):
   """What :func:`compressed_average` returns (all but the worker's residual)."""
 
   mean: jax.Array  # (padded,) float32: the averaged vector, identical on all devices.
+  gathered: jax.Array  # (n, row_bytes) uint8: every server's message (the mean, packed).
   worker_scale: jax.Array  # (part_blocks,) float32: each block's scale in the worker's compression.
   server_error: jax.Array  # (chunk,) float32: the new server error.
   finite: jax.Array  # () bool: the mean is finite on every device.
@@ -580,4 +637,4 @@ def compressed_average(x, worker_error, server_error, axis_name, *, layout,
   if keep_server_error_if_nonfinite:
     # A select, fused into the residual's pass (a cond stored the residual first).
     new_server_error = jnp.where(finite, new_server_error, server_error)
-  return Averaged(mean.reshape(-1), scales[part.segment], new_server_error, finite)
+  return Averaged(mean.reshape(-1), gathered, scales[part.segment], new_server_error, finite)

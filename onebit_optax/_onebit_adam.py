@@ -1,4 +1,4 @@
-"""1-bit Adam: Adam moments on a flat buffer, the frozen-variance phase switch, and the alias."""
+"""1-bit Adam: per-leaf Adam moments, the phase switch around the collectives, and the alias."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from onebit_optax import _collective
 from onebit_optax import _freeze
 from onebit_optax import _guards
 from onebit_optax import _layout
+from onebit_optax import _wire
 
 __all__ = [
     "ScaleByOnebitAdamState",
@@ -22,40 +23,53 @@ __all__ = [
     "adam_update_bound",
 ]
 
+F32 = jnp.float32
+
 
 class ScaleByOnebitAdamState(NamedTuple):
   """State for :func:`scale_by_onebit_adam`.
 
-  The large buffers are flat and padded (one vector for all leaves, laid out
-  leaf after leaf, each leaf starting on a 128-element block); use
-  :func:`onebit_optax.moments` to see ``mu`` and ``nu`` as trees.
-  ``worker_error`` and ``server_error`` are per device: under ``shard_map`` their
-  leading axis is the device axis (shard it with ``P(axis_name)``, see
-  :func:`state_partition_specs`); every other field is replicated. Memory on top
-  of Adam: :math:`D_{pad}(1 + 1/n)` floats per device.
+  ``mu`` and ``nu`` are shaped like the parameters, as in
+  :func:`optax.scale_by_adam`. After the freeze the mean momentum lives in
+  ``momentum_message``, exactly as it went over the wire (packed signs and one
+  scale per leaf piece, about 1/32 of the float32 bytes); ``mu`` keeps its
+  value at the freeze. :func:`onebit_optax.moments` shows the current moments
+  as trees in both phases.
+
+  Per device (under ``shard_map`` their leading axis is the device axis: shard
+  them with ``P(axis_name)``, see :func:`state_partition_specs`):
+  ``local_momentum`` (what this device compressed last: its momentum plus its
+  compression error, from which the error feedback is formed),
+  ``worker_scale``, ``server_error`` and, under hierarchical averaging,
+  ``worker_error``. Every other field is replicated. Memory per device:
+  :math:`3D + D/n + D/32` floats (:func:`optax.adam`: :math:`2D`).
 
   Example:
     >>> import jax.numpy as jnp, onebit_optax
-    >>> state = onebit_optax.scale_by_onebit_adam(axis_name=None).init({'w': jnp.ones(3)})
-    >>> state.mu.shape, state.worker_error.shape, state.server_error.shape, bool(state.frozen)
-    ((128,), (1, 128), (1, 128), False)
+    >>> state = onebit_optax.scale_by_onebit_adam(axis_name=None).init({'w': jnp.ones(300)})
+    >>> state.mu['w'].shape, state.local_momentum[0].shape, state.momentum_message.shape
+    ((300,), (1, 300), (1, 60))
 
   References:
     Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, ICML 2021, Algorithm 1.
   """
 
   count: jax.Array  # shape=(), dtype=int32: optimizer steps taken.
-  leaf_sizes: jax.Array  # shape=(num_leaves,), dtype=int32: elements per leaf, checked against the gradients.
-  mu: jax.Array  # shape=(padded,), dtype=moment_dtype (float32): first moment, flat (replicated).
-  nu: jax.Array  # shape=(padded,), dtype=moment_dtype: second moment, raw (no bias correction); frozen after the switch.
+  mu: Any  # tree like params, dtype=moment_dtype: Adam's first moment (replicated); its freeze value afterwards.
+  nu: Any  # tree like params, dtype=moment_dtype: second moment, raw (no bias correction); frozen after the switch.
+  nu_l1: jax.Array  # shape=(num_leaves,), dtype=float32: sum of nu over each leaf (freeze rule, floor).
+  local_momentum: Any  # tuple, per compressed leaf: shape=(1, *leaf shape), dtype=error_dtype, per device; None when hierarchical.
+  worker_scale: jax.Array  # shape=(1, compressed leaves), dtype=float32, per device: the scale of each leaf of local_momentum.
+  feedback_valid: jax.Array  # shape=(), dtype=bool: the error feedback of local_momentum applies (False after a skipped step).
+  worker_error: Any  # hierarchical: shape=(1, padded // fast), dtype=error_dtype, per device; else None.
+  server_error: Any  # shape=(1, chunk), dtype=error_dtype, per device; None on one device.
+  momentum_message: jax.Array  # shape=(n, row_bytes), dtype=uint8: the last compressed mean momentum (replicated).
   frozen: jax.Array  # shape=(), dtype=bool: True once in the compression phase.
   freeze_step: jax.Array  # shape=(), dtype=int32: last warmup step (0 while warming up).
   variance_ratio: jax.Array  # shape=(), dtype=float32: last ||v_hat_t||_1 / ||v_hat_{t-Δ}||_1 (NaN before the first).
   reference_l1: jax.Array  # shape=(), dtype=float32: ||v_hat||_1 at the last check (every Δ steps).
   wire_bytes: jax.Array  # shape=(), dtype=float32: bytes this device sent in the last step.
   skipped_steps: jax.Array  # shape=(), dtype=int32: steps skipped (together, on all devices) for non-finite gradients.
-  worker_error: jax.Array  # shape=(1, padded), dtype=error_dtype (float32): this device's compression error.
-  server_error: jax.Array  # shape=(1, padded // n), dtype=error_dtype (float32): this device's error as server of its chunk.
 
 
 class _Hyper(NamedTuple):
@@ -67,34 +81,49 @@ class _Hyper(NamedTuple):
   variance_floor: Any
   max_update: Any
   policy: _freeze.FreezePolicy
-  axis_name: Any
   skip_nonfinite: bool
-  model_axis: Any = None
-
-  @property
-  def device_axes(self):
-    """The axes over which the per-device error buffers differ."""
-    return _collective.axis_names(self.axis_name, self.model_axis) or None
+  exact_below: int
 
 
-class _Step(NamedTuple):
-  """What one branch of the phase switch computed: only what differs between the phases.
+class _Plan(NamedTuple):
+  """What one update knows statically: the mesh, the wire layout, the tree."""
 
-  The full-size elementwise work (the moments, the worker's residual) is done
-  after the switch (see :func:`_new_moments`, :func:`_new_worker_error`), where
-  XLA writes it into the donated state buffers; a conditional's full-size
-  results would each get a fresh temporary and a copy into the output.
-  """
+  axes: _collective.Axes
+  layout: _layout.WireLayout
+  treedef: Any
 
+  def kind(self, i: int):
+    """('c', k): leaf ``i`` is compressed leaf ``k``; ('e', j): exact leaf ``j``; ('z',): empty."""
+    layout = self.layout
+    if i in layout.compressed:
+      return "c", layout.compressed.index(i)
+    if i in layout.exact:
+      return "e", layout.exact.index(i)
+    return ("z",)
+
+
+class _Exchange(NamedTuple):
+  """What the compression branch returns (the warmup branch returns the state's values)."""
+
+  gathered: jax.Array  # (n, row_bytes) uint8: the compressed mean momentum.
+  worker_scale: jax.Array
+  worker_error: Any  # full-size buffers: fresh in one branch, passed through in the other,
+  server_error: Any  # the pattern XLA writes in place (other full-size cond results got a copy).
   finite: jax.Array
-  avg: jax.Array  # (padded,) float32: the mean gradient (warmup) or the mean momentum (compression).
+  wire_bytes: jax.Array
+
+
+class _Moments(NamedTuple):
+  """What the warmup branch returns (the compression branch returns the state's values)."""
+
+  mu: list  # Adam's new first moment, leaf by leaf.
+  nu: list
+  nu_l1: jax.Array
+  finite: jax.Array
   frozen: jax.Array
   freeze_step: jax.Array
   variance_ratio: jax.Array
   reference_l1: jax.Array
-  worker_scale: jax.Array  # (blocks,) float32: the worker compression's scale of each block (0 in warmup).
-  worker_error: Any  # hierarchical: the new worker error (its input lives in the branch); flat: None.
-  server_error: jax.Array
   wire_bytes: jax.Array
 
 
@@ -122,8 +151,235 @@ def adam_update_bound(b1, b2) -> jax.Array:
     Kingma & Ba, `Adam: A Method for Stochastic Optimization
     <https://arxiv.org/abs/1412.6980>`_, ICLR 2015, Section 2.1.
   """
-  b1, b2 = jnp.asarray(b1, jnp.float32), jnp.asarray(b2, jnp.float32)
+  b1, b2 = jnp.asarray(b1, F32), jnp.asarray(b2, F32)
   return jnp.maximum(1.0, (1.0 - b1) / jnp.sqrt(1.0 - b2))
+
+
+def _bias_correction(decay, count):
+  return 1.0 - jnp.asarray(decay, F32) ** count
+
+
+def _old_mean(plan: _Plan, gathered, i: int, shape):
+  """Leaf ``i`` of the mean momentum held by the gathered messages (float32)."""
+  kind = plan.kind(i)
+  if kind[0] == "c":
+    return _wire.message_leaf(plan.layout, gathered, kind[1], shape)
+  offset = plan.layout.exact_offsets[kind[1]]
+  size = plan.layout.sizes[i]
+  return _wire.message_exact(plan.layout, gathered)[offset:offset + size].reshape(shape)
+
+
+def _sent(hp: _Hyper, local, g, mean, scale, feedback):
+  r"""What a device compresses: :math:`u = \beta_1 m + (1-\beta_1) g + e`, :math:`e = u' - s\,\mathrm{sign}(u')`.
+
+  ``local`` is the last :math:`u'` (as stored) and ``scale`` its scale: the
+  error feedback is formed here from them, the same float operations as a
+  stored residual would have taken, so no residual buffer and no residual
+  pass. ``feedback`` is False after a skipped step (its :math:`u'` was not sent).
+  """
+  local = local.astype(F32)
+  error = jnp.where(feedback, local - jnp.where(local >= 0, scale, -scale), 0.0)
+  return hp.b1 * mean + (1.0 - hp.b1) * g.astype(F32) + error
+
+
+def _write_sent(hp: _Hyper, plan: _Plan, grads, state):
+  """Stage 1, compression only: ``u`` of every compressed leaf, written over ``local_momentum``.
+
+  ``u`` is stored before the exchange so that its scale and signs are read off
+  a buffer (a reduction over a computed full-size value made XLA:CPU store
+  that value in a temporary). A skipped step therefore cannot keep the old
+  ``u``: it clears ``feedback_valid`` instead.
+  """
+  if state.local_momentum is None:
+    return None
+  compressed = plan.layout.compressed
+
+  def sent(local, g):
+    return tuple(
+        _sent(hp, u, g_k, _old_mean(plan, state.momentum_message, i, jnp.shape(g_k)),
+              state.worker_scale[0, k], state.feedback_valid).astype(u.dtype)
+        for k, (i, u, g_k) in enumerate(zip(compressed, local, g)))
+
+  return jax.lax.cond(state.frozen, sent, lambda local, g: local, state.local_momentum,
+                      [grads[i] for i in compressed])
+
+
+def _rows(plan: _Plan, sent, exact):
+  """The phase-1 rows of ``sent`` (compressed leaves) and ``exact``, and the leaves' scales."""
+  scales = jnp.stack([_wire.leaf_rms(u.astype(F32)) for u in sent]) if sent else jnp.zeros((0,), F32)
+  return _wire.rows(plan.layout, [_wire.leaf_signs(u) for u in sent], scales, exact), scales
+
+
+def _exact_momenta(hp: _Hyper, plan: _Plan, grads, state):
+  """The exact leaves' momenta :math:`\\beta_1 m + (1-\\beta_1) g`, concatenated (float32)."""
+  exact = [jnp.ravel(hp.b1 * _old_mean(plan, state.momentum_message, i, jnp.shape(grads[i]))
+                     + (1.0 - hp.b1) * grads[i].astype(F32)) for i in plan.layout.exact]
+  return jnp.concatenate(exact) if exact else jnp.zeros((0,), F32)
+
+
+def _compression(hp: _Hyper, plan: _Plan, grads, local, state) -> _Exchange:
+  """The compression phase's communication: the 1-bit exchange of the momenta."""
+  axes = plan.axes
+  if axes.hierarchical:
+    gathered, worker_error, server_error, finite = _hierarchical_exchange(hp, plan, grads, state)
+    scales = state.worker_scale
+  else:
+    rows, scales = _rows(plan, local, _exact_momenta(hp, plan, grads, state))
+    gathered, server_error, finite = _collective.onebit_exchange(
+        rows, state.server_error, plan.layout, axes, keep_if_nonfinite=hp.skip_nonfinite)
+    scales, worker_error = _collective.vary(scales[None], axes.device_axes), state.worker_error
+  if not hp.skip_nonfinite:
+    finite = jnp.bool_(True)
+  return _Exchange(gathered, scales, worker_error, server_error, finite,
+                   jnp.float32(_step_bytes(plan, compressed=True)))
+
+
+def _no_exchange(state) -> _Exchange:
+  return _Exchange(state.momentum_message, state.worker_scale, state.worker_error,
+                   state.server_error, jnp.bool_(True), jnp.float32(0))
+
+
+def _hierarchical_exchange(hp: _Hyper, plan: _Plan, grads, state):
+  """Hierarchical: float32 mean of the momenta over the fast axis, then 1 bit over the slow one."""
+  bits, axes = plan.layout.bits, plan.axes
+  momenta = [hp.b1 * _old_mean(plan, state.momentum_message, i, jnp.shape(g))
+             + (1.0 - hp.b1) * g.astype(F32) for i, g in enumerate(grads)]
+  part = _collective._fast_mean_slice(bits.flatten(momenta), axes.fast, axes.n_fast)
+  error, server = (state.worker_error[0].astype(F32), state.server_error[0].astype(F32))
+  error = jnp.where(state.feedback_valid, error, 0.0)
+  avg = _collective.compressed_average(
+      part, error, server, axes.data, layout=bits,
+      keep_server_error_if_nonfinite=hp.skip_nonfinite, agree_axis=axes.model)
+  residual = _collective.worker_residual(
+      part, error, avg.worker_scale, bits,
+      _collective._part(bits, jax.lax.axis_index(axes.fast), axes.n_slow).block_valid)
+  if hp.skip_nonfinite:
+    residual = jnp.where(avg.finite, residual, error)
+  return (avg.gathered, residual[None].astype(state.worker_error.dtype),
+          avg.server_error[None].astype(state.server_error.dtype), avg.finite)
+
+
+def _mean_gradient(plan: _Plan, grads) -> list:
+  """The float32 mean of the gradient leaves over the data axis (one tuple all-reduce).
+
+  XLA's all-reduce combiner merges the per-leaf ``pmean`` into one collective.
+  Hierarchical: one flat vector, reduce-scattered over the fast axis so that
+  the slow links carry 1/fast of it (see :func:`_collective.full_precision_mean`).
+  """
+  axes, leaves = plan.axes, [g.astype(F32) for g in grads]
+  if axes.slow is None:
+    return leaves
+  if not axes.hierarchical:
+    return jax.lax.pmean(leaves, axes.slow)
+  bits = plan.layout.bits
+  flat = _collective.full_precision_mean(bits.flatten(leaves), axes.data)
+  return jax.tree.leaves(bits.unflatten(flat, jax.tree.structure(leaves)))
+
+
+def _warmup(hp: _Hyper, plan: _Plan, grads, state, count) -> _Moments:
+  """The warmup: Adam on the mean gradient, the freeze decision, the finite flag.
+
+  The finite flag is a plain sum of each mean-gradient leaf (a NaN or Inf
+  anywhere makes it non-finite) and the freeze rule's norm a sum of the new
+  ``nu``: reductions of stored buffers, which XLA:CPU runs without storing a
+  computed copy (a reduction of a computed value, e.g. the squares, stored it).
+  """
+  mean = _mean_gradient(plan, grads)
+  sums = jnp.stack([jnp.sum(m) for m in mean])
+  finite = (_collective._all_true(jnp.all(jnp.isfinite(sums)), plan.axes.model)
+            if hp.skip_nonfinite else jnp.bool_(True))
+  mu, nu = _adam_moments(hp, mean, state, finite)
+  nu_l1 = jnp.stack([jnp.sum(v.astype(F32)) for v in nu])
+  l1 = jnp.sum(nu_l1)
+  if plan.axes.model is not None:  # the whole model's norm, so every shard freezes together
+    l1 = jax.lax.psum(l1, plan.axes.model)
+  freeze_now, reference, ratio = _freeze.freeze_decision(
+      hp.policy, count, l1 / _bias_correction(hp.b2, count), state.reference_l1,
+      state.variance_ratio, hp.b2)
+  return _Moments(mu, nu, nu_l1, finite, freeze_now & finite,
+                  jnp.where(freeze_now & finite, count, 0).astype(jnp.int32), ratio, reference,
+                  jnp.float32(_step_bytes(plan, compressed=False)))
+
+
+def _no_moments(state) -> _Moments:
+  return _Moments(jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), state.nu_l1,
+                  jnp.bool_(True), state.frozen, state.freeze_step, state.variance_ratio,
+                  state.reference_l1, jnp.float32(0))
+
+
+def _adam_moments(hp: _Hyper, mean: list, state, finite):
+  """Adam's moments of the mean gradient, leaf by leaf (kept on a skipped step)."""
+  mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
+  new_mu = [jnp.where(finite, hp.b1 * m.astype(F32) + (1.0 - hp.b1) * g, m).astype(m.dtype)
+            for m, g in zip(mus, mean)]
+  new_nu = [jnp.where(finite, hp.b2 * v.astype(F32) + (1.0 - hp.b2) * jnp.square(g), v)
+            .astype(v.dtype) for v, g in zip(nus, mean)]
+  return new_mu, new_nu
+
+
+def _step_bytes(plan: _Plan, *, compressed: bool) -> float:
+  """Bytes one device sends over the slow (or only) axis in one step."""
+  axes, layout = plan.axes, plan.layout
+  if compressed:
+    return 2.0 * (axes.n_slow - 1) * layout.row_bytes
+  size = layout.bits.padded // axes.n_fast if axes.hierarchical else sum(layout.sizes)
+  return _collective.allreduce_wire_bytes(size, axes.n_slow)
+
+
+def _freeze_message(hp: _Hyper, plan: _Plan, mu: list, local, gathered, scale):
+  """Stage 3: at the freeze, the momentum becomes a message :math:`C(m)` (one scale per leaf).
+
+  ``local_momentum`` becomes :math:`\\beta_1 m` and its scale :math:`\\beta_1 s_m`,
+  so that the first compression step forms exactly :math:`\\beta_1 m + (1-\\beta_1) g`
+  (the error term restores what :math:`C` lost). Every device computes it
+  alike from the replicated ``mu``: no communication.
+  """
+  compressed = [mu[i].astype(F32) for i in plan.layout.compressed]
+  exact = [jnp.ravel(mu[i]).astype(F32) for i in plan.layout.exact]
+  rows, scales = _rows(plan, compressed, jnp.concatenate(exact) if exact else jnp.zeros((0,), F32))
+  scales = _collective.vary((hp.b1 * scales)[None], plan.axes.device_axes)
+  if local is None:
+    return rows, scales, None
+  local = tuple(_collective.vary((hp.b1 * m)[None], plan.axes.device_axes).astype(u.dtype)
+                for m, u in zip(compressed, local))
+  return rows, scales, local
+
+
+def _leaf_update(m, nu, frozen, bc1, bc2, floor, finite, hp: _Hyper):
+  r"""One leaf's update: Adam's during warmup, the floored and clipped frozen-variance step after.
+
+  One expression for both phases (the phase only changes scalars: the floor,
+  the clip), each intermediate used once, so that XLA writes the update in one
+  pass from the moments. In warmup the floor is 0 and the clip infinite, which
+  leaves :math:`\hat m / (\sqrt{\hat v} + \epsilon)` exactly.
+  """
+  bound = adam_update_bound(hp.b1, hp.b2) if hp.max_update is None else hp.max_update
+  bound = jnp.where(frozen, jnp.asarray(bound, F32), jnp.inf)
+  v_hat = jnp.maximum(nu / bc2, jnp.where(frozen, floor, 0.0))
+  step = jnp.clip((m / bc1) / (jnp.sqrt(v_hat) + hp.eps), -bound, bound)
+  # A coordinate whose frozen variance is 0 never had a gradient: its momentum
+  # is only the compressor's sign noise, which 1/(0 + eps) would amplify.
+  keep = finite & (jnp.logical_not(frozen) | (nu > 0))
+  return jnp.where(keep, step, 0.0)
+
+
+def _updates(hp: _Hyper, plan: _Plan, grads, state, ex: _Exchange, mo: _Moments,
+             count) -> list:
+  """The update of every leaf, from the new moments (warmup) or the new message (compression)."""
+  finite = ex.finite & mo.finite
+  bc1 = _bias_correction(hp.b1, count)
+  bc2 = _bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
+  out = []
+  for i, g in enumerate(grads):
+    if plan.kind(i)[0] == "z":
+      out.append(jnp.zeros_like(g))
+      continue
+    mean = jnp.where(state.frozen, _old_mean(plan, ex.gathered, i, jnp.shape(g)),
+                     mo.mu[i].astype(F32))
+    floor = hp.variance_floor * mo.nu_l1[i] / (plan.layout.sizes[i] * bc2)
+    out.append(_leaf_update(mean, mo.nu[i].astype(F32), state.frozen, bc1, bc2, floor,
+                            finite, hp).astype(g.dtype))
+  return out
 
 
 def _check_params(params) -> int:
@@ -149,202 +405,167 @@ def _check_params(params) -> int:
 
 
 def _check_float_dtype(name, dtype):
-  dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
+  dtype = jnp.dtype(F32 if dtype is None else dtype)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"{name} must be a floating-point dtype, got {dtype}.")
   return dtype
 
 
-def _bias_correction(decay, count):
-  return 1.0 - jnp.asarray(decay, jnp.float32) ** count
+def _plan(tree, axis_name, model_axis, exact_below: int, caller: str) -> _Plan:
+  axes = _collective.resolve_axes(axis_name, model_axis, caller=caller)
+  # Hierarchical: every leaf is compressed (exact leaves travel only over a flat axis).
+  layout = _layout.wire_layout_for(tree, axes.num_devices, 0 if axes.hierarchical else exact_below)
+  return _Plan(axes, layout, jax.tree.structure(tree))
 
 
-def _leaf_update(mu, nu, frozen, bc1, bc2, finite, hp: _Hyper):
-  r"""One leaf's update: Adam's during warmup, the floored and clipped frozen-variance step after.
-
-  ``mu`` and ``nu`` are the leaf's slices of the new moments; the floor is
-  ``variance_floor`` times the mean :math:`\hat v` of the leaf. Elementwise on the
-  leaf (one reduction for the floor), so XLA writes each update leaf straight
-  from the moments, with no full-size temporary.
-  """
-  mu_hat, v_hat = mu / bc1, nu / bc2
-  # m / (sqrt(v) + eps) exactly as optax.scale_by_adam.
-  adam = mu_hat / (jnp.sqrt(v_hat) + hp.eps)
-  floor = jnp.asarray(hp.variance_floor, jnp.float32) * jnp.mean(v_hat)
-  # A coordinate whose frozen variance is 0 never had a gradient: its momentum
-  # is only the compressor's sign noise, which 1/(0 + eps) would amplify.
-  p = jnp.where(v_hat > 0, 1.0 / (jnp.sqrt(jnp.maximum(v_hat, floor)) + hp.eps), 0.0)
-  bound = adam_update_bound(hp.b1, hp.b2) if hp.max_update is None else hp.max_update
-  step = jnp.where(frozen, jnp.clip(mu_hat * p, -bound, bound), adam)
-  return jnp.where(finite, step, 0.0)
+def _buffer_shapes(plan: _Plan) -> dict:
+  """The per-device buffers' shapes for this plan (None: the buffer does not exist)."""
+  axes, layout = plan.axes, plan.layout
+  return dict(
+      worker_error=(1, layout.bits.padded // axes.n_fast) if axes.hierarchical else None,
+      server_error=(1, layout.bits.chunk) if axes.n_slow > 1 else None,
+      momentum_message=(axes.num_devices, layout.row_bytes))
 
 
-def _updates(mu, nu, finite, state, count, hp: _Hyper, layout, grads, treedef):
-  """The update tree, leaf by leaf from the new moments (see :func:`_leaf_update`)."""
-  bc1 = _bias_correction(hp.b1, count)
-  bc2 = _bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
-  mu = layout.unflatten(mu.astype(jnp.float32), treedef)
-  nu = layout.unflatten(nu.astype(jnp.float32), treedef)
-  # A zero-size leaf gets its (empty) update without any operation on it: XLA
-  # 0.11 crashed compiling zero-size reductions next to collectives.
-  out = [jnp.zeros(jnp.shape(g), jnp.result_type(g)) if size == 0 else
-         _leaf_update(m, v, state.frozen, bc1, bc2, finite, hp).astype(jnp.result_type(g))
-         for m, v, g, size in zip(jax.tree.leaves(mu), jax.tree.leaves(nu), grads, layout.sizes)]
-  return jax.tree.unflatten(treedef, out)
+def _init(params, plan: _Plan, moment_dtype, error_dtype) -> ScaleByOnebitAdamState:
+  vary = lambda x: _collective.vary(x, plan.axes.device_axes)
+  shapes = _buffer_shapes(plan)
+  zeros = lambda shape, dtype: None if shape is None else vary(jnp.zeros(shape, dtype))
+  leaves = jax.tree.leaves(params)
+  like = lambda dtype: jax.tree.unflatten(
+      plan.treedef, [jnp.zeros(jnp.shape(p), dtype) for p in leaves])
+  return ScaleByOnebitAdamState(
+      count=jnp.zeros([], jnp.int32), mu=like(moment_dtype), nu=like(moment_dtype),
+      nu_l1=jnp.zeros((len(leaves),), F32),
+      local_momentum=None if plan.axes.hierarchical else tuple(
+          vary(jnp.zeros((1,) + jnp.shape(leaves[i]), error_dtype)) for i in plan.layout.compressed),
+      worker_scale=vary(jnp.zeros((1, len(plan.layout.compressed)), F32)),
+      feedback_valid=jnp.zeros([], jnp.bool_),
+      worker_error=zeros(shapes["worker_error"], error_dtype),
+      server_error=zeros(shapes["server_error"], error_dtype),
+      momentum_message=jnp.zeros(shapes["momentum_message"], jnp.uint8),
+      frozen=jnp.zeros([], jnp.bool_), freeze_step=jnp.zeros([], jnp.int32),
+      variance_ratio=jnp.full([], jnp.nan, F32), reference_l1=jnp.zeros([], F32),
+      wire_bytes=jnp.zeros([], F32), skipped_steps=jnp.zeros([], jnp.int32))
 
 
-def _hierarchical(hp: _Hyper) -> bool:
-  return _collective.split_axes(hp.axis_name)[1] is not None
+def _placeholder_state(params) -> ScaleByOnebitAdamState:
+  """For :func:`optax.tree.map_params`: ``mu`` and ``nu`` are the parameter-shaped fields."""
+  fields = {name: jnp.zeros([]) for name in ScaleByOnebitAdamState._fields}
+  return ScaleByOnebitAdamState(**{**fields, "mu": params, "nu": params})
 
 
-def _local_momentum(grads, state, hp: _Hyper, layout) -> jax.Array:
-  """This device's momentum :math:`\\beta_1 m + (1-\\beta_1) g_i` on the flat buffer (fused, not stored)."""
-  return (1.0 - hp.b1) * layout.flatten(grads) + hp.b1 * state.mu.astype(jnp.float32)
+def _describe(tree) -> str:
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  shown = ", ".join(f"{jax.tree_util.keystr(p)}: {tuple(np.shape(x))}" for p, x in leaves[:4])
+  return f"{len(leaves)} leaves ({shown}{', ...' if len(leaves) > 4 else ''})"
 
 
-def _warmup(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
-  """The full-precision mean gradient (one float32 pmean of the flat buffer) and the freeze decision."""
-  g = _collective.full_precision_mean(layout.flatten(grads), hp.axis_name)
-  # Read off the replicated mean, which every device's gradient reaches: all
-  # devices agree on it without another collective (but a model-parallel axis).
-  finite = (_collective._all_true(jnp.all(jnp.isfinite(g)), hp.model_axis)
-            if hp.skip_nonfinite else jnp.bool_(True))
-  # The new nu's norm only (a reduction): nu itself is written after the switch.
-  # No select on `finite` inside the sum (it made XLA:CPU store the summand):
-  # on a skipped step the freeze decision is discarded anyway.
-  l1 = jnp.sum((1.0 - hp.b2) * jnp.square(g) + hp.b2 * state.nu.astype(jnp.float32))
-  if hp.model_axis is not None:  # the whole model's norm, so every shard freezes together
-    l1 = jax.lax.psum(l1, hp.model_axis)
-  freeze_now, reference, ratio = _freeze.freeze_decision(
-      hp.policy, count, l1 / _bias_correction(hp.b2, count), state.reference_l1,
-      state.variance_ratio, hp.b2)
-  freeze_now = freeze_now & finite
-  return _Step(
-      finite=finite, avg=g,
-      frozen=freeze_now, freeze_step=jnp.where(freeze_now, count, 0).astype(jnp.int32),
-      variance_ratio=ratio, reference_l1=reference,
-      worker_scale=_collective.vary(jnp.zeros((layout.num_blocks,), jnp.float32),
-                                    hp.device_axes),
-      # Hierarchical: the buffer is all zeros in warmup; returned as it is.
-      worker_error=state.worker_error if _hierarchical(hp) else None,
-      server_error=state.server_error,
-      wire_bytes=jnp.float32(
-          _collective.step_wire_bytes(layout, hp.axis_name, compressed=False)))
-
-
-def _compression(grads, state: ScaleByOnebitAdamState, count, hp: _Hyper, layout) -> _Step:
-  """The momentum, from local gradients, averaged by the 1-bit compressed mean; v frozen."""
-  del count
-  local_mu = _local_momentum(grads, state, hp, layout)
-  worker_error = state.worker_error[0].astype(jnp.float32)
-  server_error = state.server_error[0].astype(jnp.float32)
-  worker_scale, new_worker_error = jnp.zeros((layout.num_blocks,), jnp.float32), None
-  if _hierarchical(hp):
-    # The worker compresses its slice of the node's mean: the residual needs
-    # that slice, which exists only here.
-    mean_mu, new_worker_error, server_error, finite = _collective.compressed_mean_and_check(
-        local_mu, worker_error, server_error, hp.axis_name, layout=layout,
-        keep_errors_if_nonfinite=hp.skip_nonfinite, agree_axis=hp.model_axis)
-    new_worker_error = new_worker_error[None].astype(state.worker_error.dtype)
-    worker_scale = _collective.vary(worker_scale, hp.device_axes)
-  else:
-    out = _collective.compressed_average(
-        local_mu, worker_error, server_error, hp.axis_name, layout=layout,
-        keep_server_error_if_nonfinite=hp.skip_nonfinite, agree_axis=hp.model_axis)
-    mean_mu, worker_scale, server_error, finite = out
-  if not hp.skip_nonfinite:
-    finite = jnp.bool_(True)
-  return _Step(
-      finite=finite, avg=mean_mu, frozen=state.frozen,
-      freeze_step=state.freeze_step, variance_ratio=state.variance_ratio,
-      reference_l1=state.reference_l1, worker_scale=worker_scale,
-      worker_error=new_worker_error,
-      server_error=server_error[None].astype(state.server_error.dtype),
-      wire_bytes=jnp.float32(
-          _collective.step_wire_bytes(layout, hp.axis_name, compressed=True)))
-
-
-def _new_moments(step: _Step, state, hp: _Hyper):
-  """The new ``mu`` and ``nu``, elementwise from the switch's averaged vector.
-
-  Warmup: Adam's moments of the mean gradient; compression: ``mu`` is the mean
-  momentum and ``nu`` stays frozen. A select on the phase, outside the switch,
-  so that XLA writes both in place into the donated moments.
-  """
-  mu32, nu32 = state.mu.astype(jnp.float32), state.nu.astype(jnp.float32)
-  g = step.avg
-  mu = jnp.where(state.frozen, g, (1.0 - hp.b1) * g + hp.b1 * mu32)
-  nu = (1.0 - hp.b2) * jnp.square(g) + hp.b2 * nu32
-  return (jnp.where(step.finite, mu, mu32),
-          jnp.where(step.finite & jnp.logical_not(state.frozen), nu, nu32))
-
-
-def _new_worker_error(step: _Step, state, grads, hp: _Hyper, layout):
-  """The new worker error: the residual of the compression, read old and written in place.
-
-  Recomputed from the local momentum and the old error with the scales the
-  switch returned (so ``u`` is never stored); the old error is kept in warmup
-  (it is zero then) and on a skipped step.
-  """
-  if step.worker_error is not None:
-    return step.worker_error
-  old = state.worker_error.astype(jnp.float32)  # (1, padded), as stored: see worker_residual
-  new = _collective.worker_residual(
-      _local_momentum(grads, state, hp, layout), old, step.worker_scale, layout)
-  return jnp.where(state.frozen & step.finite, new, old).astype(state.worker_error.dtype)
-
-
-def _short(sizes, limit: int = 8) -> str:
-  sizes = [int(x) for x in sizes]
-  return str(sizes[:limit])[:-1] + (", ...]" if len(sizes) > limit else "]")
-
-
-def _check_update(updates, state, axis_name):
-  """Validates the update's inputs; returns the layout of the gradients on this axis."""
-  if not isinstance(state, ScaleByOnebitAdamState):
-    raise TypeError(
-        f"scale_by_onebit_adam.update got a {type(state).__name__} state; pass the "
-        "state returned by this transformation's init.")
-  _check_params(updates)
-  caller = "scale_by_onebit_adam.update"
-  _guards.check_wrappers(axis_name, caller)
-  _guards.check_mapped_region(axis_name, caller)
-  n = _collective.axis_size(axis_name, caller=caller)
-  _guards.check_state_layout(state, axis_name, n, caller)
-  layout = _layout.layout_for(updates, n)
-  fast = _collective.axis_size(_collective.split_axes(axis_name)[1], caller=caller)
-  worker, server = _collective.error_sizes(layout, fast)
-  sizes = state.leaf_sizes
-  if sizes.shape != (len(layout.sizes),) or (
-      not isinstance(sizes, jax.core.Tracer) and tuple(np.asarray(sizes)) != layout.sizes):
+def _check_tree(updates, state, caller: str) -> None:
+  """The gradients must have the structure and shapes of the parameters the state was made for."""
+  same = jax.tree.structure(updates) == jax.tree.structure(state.nu) and all(
+      np.shape(g) == np.shape(v) for g, v in zip(jax.tree.leaves(updates),
+                                                  jax.tree.leaves(state.nu)))
+  if not same:
     raise ValueError(
-        "scale_by_onebit_adam.update: the gradient tree does not match the tree the "
-        f"state was initialised with: the gradients have {len(layout.sizes)} leaves of "
-        f"sizes {_short(layout.sizes)}, the state was made for {sizes.shape[0]} leaves"
-        + ("" if isinstance(sizes, jax.core.Tracer) else f" of sizes {_short(np.asarray(sizes))}")
-        + ". Did the model change after init? Re-init the optimizer state.")
-  if (state.mu.shape != (layout.padded,) or state.worker_error.shape != (1, worker)
-      or state.server_error.shape != (1, server)):
+        f"{caller}: the gradient tree does not match the parameters the state was "
+        f"initialised with: the gradients have {_describe(updates)}, the state "
+        f"{_describe(state.nu)}. Pass gradients shaped like the params (same keys, same "
+        "shapes, not transposed); if the model changed, re-init the optimizer state.")
+
+
+def _check_buffers(state, plan: _Plan, caller: str) -> None:
+  expected = _buffer_shapes(plan)
+  found = {name: None if getattr(state, name) is None else tuple(np.shape(getattr(state, name)))
+           for name in expected}
+  if found != expected:
+    n = plan.axes.num_devices
     raise ValueError(
-        f"scale_by_onebit_adam.update: the state's buffers have shapes mu "
-        f"{state.mu.shape}, worker_error {state.worker_error.shape} and server_error "
-        f"{state.server_error.shape} per device, but these leaves on {n} devices need "
-        f"({layout.padded},), (1, {worker}) and (1, {server}): the state was "
-        "made for another device count: re-init it on this mesh, or restore it with "
+        f"{caller}: the state's per-device buffers have shapes {found}, but these "
+        f"parameters on {n} devices need {expected}: the state was made for another "
+        "device count or mesh: re-init it on this mesh, or restore it with "
         "onebit_optax.restore_checkpoint (which moves it to another device count). Under "
         "shard_map, shard it with onebit_optax.state_partition_specs(state, axis_name).")
+
+
+def _check_update(updates, state, axis_name, model_axis, exact_below) -> _Plan:
+  """Validates the update's inputs; returns the plan of this update."""
+  caller = "scale_by_onebit_adam.update"
+  if not isinstance(state, ScaleByOnebitAdamState):
+    raise TypeError(
+        f"{caller} got a {type(state).__name__} state; pass the state returned by this "
+        "transformation's init.")
+  _check_params(updates)
+  _guards.check_wrappers(axis_name, caller)
+  _guards.check_mapped_region(axis_name, caller)
+  plan = _plan(updates, axis_name, model_axis, exact_below, caller)
+  _guards.check_state_layout(state, axis_name, plan.axes.num_devices, caller)
+  _check_tree(updates, state, caller)
+  _check_buffers(state, plan, caller)
   replicated = [name for name in _collective.axis_names(axis_name)
-                if name in _collective._varying_axes(state.worker_error)
+                if name in _collective._varying_axes(state.worker_scale)
                 and any(name not in _collective._varying_axes(g)
                         for g in jax.tree.leaves(updates))]
   if replicated:
     raise ValueError(
-        f"scale_by_onebit_adam.update: the gradients are replicated over {replicated[0]!r}, "
-        "i.e. already all-reduced. Inside shard_map, jax.grad with respect to replicated "
-        "params sums the gradients across devices in the backward pass, which sends them "
-        "in full precision and defeats the compression. Take the gradient with respect "
-        f"to onebit_optax.local_params(params, {axis_name!r}) instead.")
-  return layout
+        f"{caller}: the gradients are replicated over {replicated[0]!r}, i.e. already "
+        "all-reduced. Inside shard_map, jax.grad with respect to replicated params sums "
+        "the gradients across devices in the backward pass, which sends them in full "
+        "precision and defeats the compression. Take the gradient with respect to "
+        f"onebit_optax.local_params(params, {axis_name!r}) instead.")
+  return plan
+
+
+def _switch(hp: _Hyper, plan: _Plan, grads, state, count):
+  """The phase switch: the warmup's or the compression's communication and state changes.
+
+  ``frozen`` is replicated, so every device takes the same branches and only
+  the taken branch's collectives run. Three conds on the one predicate, each
+  with one kind of full-size result (``u``; the server and worker errors; the
+  moments) that one branch writes and the *false* branch passes through:
+  measured on XLA:CPU (jax 0.10), that is the form XLA writes in place into the
+  donated buffers; with the pass-through as the true branch, or several kinds
+  of results in one cond, every full-size result got a copy.
+  """
+  local = _write_sent(hp, plan, grads, state)
+  exchange = jax.lax.cond(state.frozen,
+                          lambda g, u: _compression(hp, plan, g, u, state),
+                          lambda g, u: _no_exchange(state), grads, local)
+  small = state._replace(mu=None, nu=None, local_momentum=None, server_error=None,
+                         worker_error=None)
+  moments = jax.lax.cond(
+      jnp.logical_not(state.frozen),
+      lambda g, mu, nu: _warmup(hp, plan, g, small._replace(mu=mu, nu=nu), count),
+      lambda g, mu, nu: _no_moments(small._replace(mu=mu, nu=nu)),
+      grads, state.mu, state.nu)
+  return local, exchange, moments
+
+
+def _update(updates, state, hp: _Hyper, axis_name, model_axis):
+  plan = _check_update(updates, state, axis_name, model_axis, hp.exact_below)
+  count_inc = numerics.safe_increment(state.count)
+  grads = jax.tree.leaves(updates)
+  local, ex, mo = _switch(hp, plan, grads, state, count_inc)
+  finite = ex.finite & mo.finite
+  freeze_now = mo.frozen & jnp.logical_not(state.frozen)
+  message, scale, local = jax.lax.cond(
+      freeze_now, lambda u: _freeze_message(hp, plan, mo.mu, u, ex.gathered, ex.worker_scale),
+      lambda u: (ex.gathered, ex.worker_scale, u), local)
+  updates = _updates(hp, plan, grads, state, ex, mo, count_inc)
+  pick = lambda new, old: jnp.where(finite, new, old)
+  unflatten = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
+  new_state = ScaleByOnebitAdamState(
+      count=pick(count_inc, state.count), mu=unflatten(mo.mu), nu=unflatten(mo.nu),
+      nu_l1=mo.nu_l1, local_momentum=local, worker_scale=pick(scale, state.worker_scale),
+      feedback_valid=jnp.where(state.frozen, finite, freeze_now | state.feedback_valid),
+      worker_error=ex.worker_error, server_error=ex.server_error,
+      momentum_message=pick(message, state.momentum_message),
+      frozen=pick(mo.frozen, state.frozen), freeze_step=pick(mo.freeze_step, state.freeze_step),
+      variance_ratio=pick(mo.variance_ratio, state.variance_ratio),
+      reference_l1=pick(mo.reference_l1, state.reference_l1),
+      wire_bytes=ex.wire_bytes + mo.wire_bytes,
+      skipped_steps=state.skipped_steps + jnp.where(finite, 0, 1).astype(jnp.int32))
+  return unflatten(updates), new_state
 
 
 def scale_by_onebit_adam(
@@ -360,6 +581,7 @@ def scale_by_onebit_adam(
     moment_dtype: Any = None,
     error_dtype: Any = None,
     skip_nonfinite: bool = True,
+    exact_below: int = _layout.EXACT_BELOW,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales local gradients by 1-bit Adam, averaging them across ``axis_name``.
 
@@ -463,6 +685,11 @@ def scale_by_onebit_adam(
     error_dtype: storage dtype of the per-device error buffers (None: float32).
     skip_nonfinite: skip steps with non-finite gradients (see above). With
       False, a NaN propagates into the moments as in :func:`optax.adam`.
+    exact_below: leaves with fewer elements than this (a scalar gate, a bias of
+      a few elements) travel as float32 inside the same two uint8 messages and
+      are averaged exactly; 1 bit cannot carry them (a two-element leaf cycles
+      around its optimum). 0 compresses every leaf. Under hierarchical
+      averaging every leaf is compressed.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`. ``init`` and ``update`` must
@@ -490,68 +717,22 @@ def scale_by_onebit_adam(
   moment_dtype = _check_float_dtype("moment_dtype", moment_dtype)
   error_dtype = _check_float_dtype("error_dtype", error_dtype)
   _collective.split_axes(axis_name)  # refuses a malformed tuple now, not at the first step
-  hp = _Hyper(b1, b2, eps, variance_floor, max_update, policy, axis_name, skip_nonfinite,
-              model_axis)
-  device_axes = hp.device_axes
+  if isinstance(exact_below, bool) or not isinstance(exact_below, (int, np.integer)) or exact_below < 0:
+    raise ValueError(f"scale_by_onebit_adam: exact_below={exact_below!r} must be an int >= 0 "
+                     "(leaves with fewer elements travel as float32; 0 compresses every leaf).")
+  hp = _Hyper(b1, b2, eps, variance_floor, max_update, policy, skip_nonfinite, int(exact_below))
 
   def init_fn(params):
     if type(params).__name__ == "_ParamsPlaceholder":
-      # optax.tree.map_params: the state holds no parameter-shaped tree (the
-      # moments are flat buffers), so every field is a "non-param" field.
-      return ScaleByOnebitAdamState(*[jnp.zeros([]) for _ in ScaleByOnebitAdamState._fields])
+      return _placeholder_state(params)
     _check_params(params)
     _guards.check_mapped_region(axis_name, "scale_by_onebit_adam.init")
-    n = _collective.axis_size(axis_name, caller="scale_by_onebit_adam.init")
-    layout = _layout.layout_for(params, n)
-    worker, server = _collective.error_sizes(layout, _collective.axis_size(
-        _collective.split_axes(axis_name)[1], caller="scale_by_onebit_adam.init"))
-    return ScaleByOnebitAdamState(
-        count=jnp.zeros([], jnp.int32),
-        leaf_sizes=jnp.asarray(layout.sizes, jnp.int32).reshape(-1),
-        mu=jnp.zeros((layout.padded,), moment_dtype),
-        nu=jnp.zeros((layout.padded,), moment_dtype),
-        frozen=jnp.zeros([], jnp.bool_),
-        freeze_step=jnp.zeros([], jnp.int32),
-        variance_ratio=jnp.full([], jnp.nan, jnp.float32),
-        reference_l1=jnp.zeros([], jnp.float32),
-        wire_bytes=jnp.zeros([], jnp.float32),
-        skipped_steps=jnp.zeros([], jnp.int32),
-        worker_error=_collective.vary(jnp.zeros((1, worker), error_dtype), device_axes),
-        server_error=_collective.vary(jnp.zeros((1, server), error_dtype), device_axes),
-    )
+    plan = _plan(params, axis_name, model_axis, hp.exact_below, "scale_by_onebit_adam.init")
+    return _init(params, plan, moment_dtype, error_dtype)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    layout = _check_update(updates, state, axis_name)
-    count_inc = numerics.safe_increment(state.count)
-    grads, treedef = jax.tree.flatten(updates)
-    # Zero-size leaves stay out of the cond (their slots are skipped by the
-    # layout): XLA 0.11 crashed compiling zero-size operands of a conditional.
-    operands = [g if size else jnp.zeros([]) for g, size in zip(grads, layout.sizes)]
-    # The phase switch. `frozen` is computed from replicated values only, so all
-    # devices agree on the branch; only the taken branch's collectives run.
-    step = jax.lax.cond(
-        state.frozen,
-        lambda g: _compression(g, state, count_inc, hp, layout),
-        lambda g: _warmup(g, state, count_inc, hp, layout), operands)
-    pick = lambda new, old: jnp.where(step.finite, new, old)
-    worker_error = _new_worker_error(step, state, grads, hp, layout)
-    mu, nu = _new_moments(step, state, hp)
-    new_state = ScaleByOnebitAdamState(
-        count=pick(count_inc, state.count),
-        leaf_sizes=state.leaf_sizes,
-        mu=mu.astype(state.mu.dtype),
-        nu=nu.astype(state.nu.dtype),
-        frozen=pick(step.frozen, state.frozen),
-        freeze_step=pick(step.freeze_step, state.freeze_step),
-        variance_ratio=pick(step.variance_ratio, state.variance_ratio),
-        reference_l1=pick(step.reference_l1, state.reference_l1),
-        wire_bytes=step.wire_bytes,
-        skipped_steps=state.skipped_steps + jnp.where(step.finite, 0, 1).astype(jnp.int32),
-        worker_error=worker_error,
-        server_error=step.server_error,
-    )
-    return _updates(mu, nu, step.finite, state, count_inc, hp, layout, grads, treedef), new_state
+    return _update(updates, state, hp, axis_name, model_axis)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -572,6 +753,7 @@ def onebit_adam(
     moment_dtype: Any = None,
     error_dtype: Any = None,
     skip_nonfinite: bool = True,
+    exact_below: int = _layout.EXACT_BELOW,
 ) -> optax.GradientTransformationExtraArgs:
   r"""1-bit Adam (Tang et al., 2021): Adam whose communication drops to 1 bit per element.
 
@@ -608,6 +790,8 @@ def onebit_adam(
     moment_dtype: storage dtype of the moments (see :func:`scale_by_onebit_adam`).
     error_dtype: storage dtype of the error buffers.
     skip_nonfinite: skip non-finite steps on all devices together.
+    exact_below: leaves with fewer elements are averaged exactly, as float32
+      (see :func:`scale_by_onebit_adam`).
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`.
@@ -644,6 +828,6 @@ def onebit_adam(
           b1, b2, eps, axis_name=axis_name, freeze=freeze, variance_floor=variance_floor,
           max_update=max_update, model_axis=model_axis, moment_dtype=moment_dtype,
           error_dtype=error_dtype,
-          skip_nonfinite=skip_nonfinite),
+          skip_nonfinite=skip_nonfinite, exact_below=exact_below),
       decay,
       optax.scale_by_learning_rate(learning_rate))
