@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from onebit_optax import _layout
+from onebit_optax import _wire
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 
 __all__ = ["is_frozen", "freeze_step", "variance_ratio", "wire_bytes", "skipped_steps",
@@ -140,13 +142,21 @@ def skipped_steps(opt_state) -> jax.Array:
   return _plain(_find_state(opt_state).skipped_steps)
 
 
+def _layout_of(params, message, num_compressed: int) -> _layout.WireLayout:
+  """The wire layout a state of ``params`` was made with (its threshold read off the state)."""
+  sizes = sorted((int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)), reverse=True)
+  threshold = sizes[num_compressed - 1] if num_compressed else sizes[0] + 1
+  return _layout.wire_layout_for(params, message.shape[0], max(threshold, 1))
+
+
 def moments(opt_state, params):
   r"""The first and second moments as trees shaped like ``params``.
 
-  The state keeps them as flat padded vectors (see
-  :class:`ScaleByOnebitAdamState`). ``nu`` is Adam's raw second moment
-  :math:`v_t` (as in :func:`optax.scale_by_adam`'s state), frozen at
-  :math:`v_{T_0}` after the switch; the update uses
+  During warmup they are the state's ``mu`` and ``nu``. After the freeze the
+  first moment is the mean momentum as it was last sent, decoded from
+  ``momentum_message`` (sign bits and one scale per leaf piece; exact leaves
+  as float32), and ``nu`` is Adam's raw second moment frozen at
+  :math:`v_{T_0}`; the update uses
   :math:`\max(v_{T_0}/(1-\beta_2^{T_0}), \text{floor})` (see
   :func:`scale_by_onebit_adam`).
 
@@ -170,17 +180,26 @@ def moments(opt_state, params):
     Array([0.1, 0.2, 0.3], dtype=float32)
   """
   state = _find_state(opt_state)
-  mu, nu = (jnp.asarray(_plain(x)) for x in (state.mu, state.nu))
-  if mu.ndim == 2:  # pmap: one copy per device
-    mu, nu = mu[0], nu[0]
-  leaves = jax.tree.leaves(params)
-  n = max(1, round(mu.shape[0] / max(1, jnp.shape(_plain(state.server_error))[-1])))
-  layout = _layout.layout_for(params, n)
-  if layout.padded != mu.shape[0]:
+  leaves = lambda tree: [jnp.asarray(_plain(x)) for x in jax.tree.leaves(tree)]
+  mu, nu = leaves(state.mu), leaves(state.nu)
+  message = jnp.asarray(_plain(state.momentum_message))
+  frozen, scale = jnp.asarray(_plain(state.frozen)), jnp.asarray(_plain(state.worker_scale))
+  if message.ndim == 3:  # pmap: one copy per device
+    mu, nu, message, frozen, scale = ([x[0] for x in mu], [x[0] for x in nu], message[0],
+                                      frozen[0], scale[0])
+  shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+  if [tuple(x.shape) for x in nu] != shapes:
     raise ValueError(
-        f"moments: the state holds {mu.shape[0]} elements but params "
-        f"({layout.size} parameters in {len(leaves)} leaves) lay out to {layout.padded}; "
-        "pass the params the optimizer was initialised with.")
-  mu, nu = mu.astype(jnp.float32), nu.astype(jnp.float32)
+        f"moments: the state's moments have shapes {[tuple(x.shape) for x in nu][:4]}..., "
+        f"params {shapes[:4]}...: pass the params the optimizer was initialised with.")
   treedef = jax.tree.structure(params)
-  return layout.unflatten(mu, treedef), layout.unflatten(nu, treedef)
+  mu, nu = [x.astype(jnp.float32) for x in mu], [x.astype(jnp.float32) for x in nu]
+  if bool(frozen):
+    layout = _layout_of(params, message, scale.shape[-1])
+    exact = _wire.message_exact(layout, message)
+    for k, i in enumerate(layout.compressed):
+      mu[i] = _wire.message_leaf(layout, message, k, shapes[i])
+    for j, i in enumerate(layout.exact):
+      offset = layout.exact_offsets[j]
+      mu[i] = exact[offset:offset + layout.sizes[i]].reshape(shapes[i])
+  return jax.tree.unflatten(treedef, mu), jax.tree.unflatten(treedef, nu)

@@ -130,13 +130,13 @@ def check_state_layout(state, axis_name: Optional[Hashable], num_devices: int,
         f"{caller}: every field of the state has a leading device axis (count has shape "
         f"{np.shape(state.count)}): it is a jax.pmap state. Under jax.shard_map, make the "
         f"state with onebit_optax.init_sharded(tx, params, mesh, {axis_name!r}) and pass "
-        f"{specs} as the state's in_specs and out_specs (per-device error buffers on "
+        f"{specs} as the state's in_specs and out_specs (per-device buffers on "
         f"P({axis_name!r}), everything else P()).")
-  rows = state.worker_error.shape[0] if np.ndim(state.worker_error) == 2 else 1
+  rows = state.worker_scale.shape[0] if np.ndim(state.worker_scale) == 2 else 1
   if num_devices > 1 and rows == num_devices:
     raise ValueError(
-        f"{caller}: worker_error arrives whole on every device (shape "
-        f"{state.worker_error.shape}, one row per device), so the state's in_specs gave "
-        f"it P(). The error buffers are per device: shard them with P({axis_name!r}) and "
-        f"everything else with P(), which is what {specs} returns; use it as the state's "
-        "in_specs and out_specs.")
+        f"{caller}: the per-device buffers arrive whole on every device (worker_scale "
+        f"has shape {state.worker_scale.shape}, one row per device), so the state's "
+        f"in_specs gave them P(). Shard them with P({axis_name!r}) and everything else "
+        f"with P(), which is what {specs} returns; use it as the state's in_specs and "
+        "out_specs.")

@@ -127,30 +127,30 @@ def _device_axes(axis_name: Hashable, model_axis: Optional[Hashable]):
 
 
 def state_partition_specs(opt_state, axis_name: Hashable,
-                          model_axis: Optional[Hashable] = None):
+                          model_axis: Optional[Hashable] = None, *, param_specs=None):
   """PartitionSpecs for an optimizer state holding a 1-bit Adam state.
 
-  The error buffers are per device (``P(axis_name)`` on their leading axis); all
-  other leaves (counters, moments, flags, other transformations' state) are
-  replicated (``P()``). Use the result as ``in_specs``/``out_specs`` of the
-  training step and for ``NamedSharding``.
+  The per-device buffers (``local_momentum``, ``worker_scale``, the error
+  buffers) are sharded over the data axis on their leading axis
+  (``P(axis_name)``); all other leaves (counters, the moments, flags, the
+  momentum message, other transformations' state) are replicated (``P()``).
+  Use the result as ``in_specs``/``out_specs`` of the training step and for
+  ``NamedSharding``.
 
   ``axis_name`` may be a tuple of mesh axes (hierarchical data parallelism, e.g.
-  ``('node', 'local')``, as given to the optimizer): the error buffers are then
-  sharded over all of them, ``P(('node', 'local'))``.
+  ``('node', 'local')``, as given to the optimizer): the per-device buffers are
+  then sharded over all of them, ``P(('node', 'local'))``.
 
   With ``model_axis`` (parameters sharded over a model-parallel mesh axis, the
   optimizer built with ``model_axis=...``), each device runs the optimizer on its
-  local parameter shards, so its flat buffers hold that shard:
+  local parameter shards:
 
-  - ``mu`` and ``nu`` (local shape ``(padded,)``) differ across ``model_axis``
-    and are equal across ``axis_name``: ``P(model_axis)``, globally the model
-    shards' buffers one after the other;
-  - ``worker_error``/``server_error`` (local ``(1, ·)``) are per device:
-    ``P((axis_name, model_axis))``, globally one row per device, row
-    ``data_index * model_size + model_index``;
-  - scalars and ``leaf_sizes``: ``P()`` (the leaves' sizes are those of the local
-    shards, the same on every device when the shards are even).
+  - ``mu`` and ``nu`` are shaped like the parameters and sharded like them:
+    ``param_specs`` (required then);
+  - ``momentum_message`` and ``nu_l1`` differ across ``model_axis``:
+    ``P(model_axis)``;
+  - the per-device buffers: ``P((axis_name, model_axis))``, globally one row
+    per device, row ``data_index * model_size + model_index``.
 
   Other transformations' state (e.g. an ``optax.partition`` branch that mirrors
   the parameters) is given ``P()``; with model-sharded parameters such a state
@@ -161,37 +161,54 @@ def state_partition_specs(opt_state, axis_name: Hashable,
     axis_name: the data-parallel mesh axis (or tuple of axes).
     model_axis: the model-parallel mesh axis the parameters are sharded over,
       or None (parameters replicated on every device).
+    param_specs: with ``model_axis``, the parameters' PartitionSpecs (a pytree
+      or prefix), which ``mu`` and ``nu`` follow.
 
   Returns:
     A pytree of ``PartitionSpec`` with the structure of ``opt_state``.
 
   Example:
     >>> import jax.numpy as jnp, onebit_optax
+    >>> from jax.sharding import PartitionSpec as P
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
-    >>> specs = onebit_optax.state_partition_specs(tx.init({'w': jnp.ones(3)}), 'data')
-    >>> specs[0].worker_error, specs[0].count
-    (P('data',), P())
+    >>> specs = onebit_optax.state_partition_specs(tx.init({'w': jnp.ones(300)}), 'data')
+    >>> specs[0].local_momentum, specs[0].mu, specs[0].count
+    ((P('data',),), {'w': P()}, P())
     >>> specs = onebit_optax.state_partition_specs(
-    ...     tx.init({'w': jnp.ones(3)}), 'data', model_axis='model')
-    >>> specs[0].mu, specs[0].worker_error, specs[0].count
-    (P('model',), P(('data', 'model'),), P())
-    >>> state = tx.init({'w': jnp.ones(3)})
-    >>> onebit_optax.state_partition_specs(state, ('node', 'local'))[0].server_error
-    P(('node', 'local'),)
+    ...     tx.init({'w': jnp.ones(300)}), 'data', model_axis='model',
+    ...     param_specs={'w': P('model')})
+    >>> specs[0].mu, specs[0].worker_scale, specs[0].momentum_message
+    ({'w': P('model',)}, P(('data', 'model'),), P('model',))
 
   References:
     `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
   """
   per_device = P(_device_axes(axis_name, model_axis))
   per_model_shard = P() if model_axis is None else P(model_axis)
+  if model_axis is not None and param_specs is None:
+    raise ValueError(
+        "state_partition_specs: with model_axis, pass param_specs= (the parameters' "
+        "PartitionSpecs): the moments are shaped and sharded like the parameters.")
+
+  def moments_specs(tree):
+    if param_specs is None:
+      return jax.tree.map(lambda _: P(), tree)
+    return jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), param_specs,
+                        tree, is_leaf=_is_spec)
 
   def spec(node):
-    if isinstance(node, (ScaleByOnebitAdamState, CompressedMeanState)):
+    if isinstance(node, ScaleByOnebitAdamState):
       replicated = jax.tree.map(lambda _: P(), node)
-      node_specs = replicated._replace(worker_error=per_device, server_error=per_device)
-      if isinstance(node, ScaleByOnebitAdamState):
-        node_specs = node_specs._replace(mu=per_model_shard, nu=per_model_shard)
-      return node_specs
+      return replicated._replace(
+          mu=moments_specs(node.mu), nu=moments_specs(node.nu),
+          local_momentum=jax.tree.map(lambda _: per_device, node.local_momentum),
+          worker_scale=per_device,
+          worker_error=None if node.worker_error is None else per_device,
+          server_error=None if node.server_error is None else per_device,
+          momentum_message=per_model_shard, nu_l1=per_model_shard)
+    if isinstance(node, CompressedMeanState):
+      replicated = jax.tree.map(lambda _: P(), node)
+      return replicated._replace(worker_error=per_device, server_error=per_device)
     return P()
   return jax.tree.map(
       spec, opt_state,
@@ -244,7 +261,8 @@ def state_specs_for(tx, params, mesh: Mesh, axis_name: Hashable, *, caller: str,
   abstract = jax.eval_shape(
       jax.shard_map(tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=P(),
                     check_vma=False), params)
-  return state_partition_specs(abstract, axis_name, model_axis)
+  return state_partition_specs(abstract, axis_name, model_axis,
+                               param_specs=None if model_axis is None else param_specs)
 
 
 def _spec_axes(param_specs) -> set:
@@ -308,8 +326,8 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data", *,
     >>> mesh = jax.make_mesh((1,), ('data',))
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
     >>> state = onebit_optax.init_sharded(tx, {'w': jnp.ones(3)}, mesh)
-    >>> state[0].worker_error.shape  # (devices, padded size: whole blocks of 128)
-    (1, 128)
+    >>> state[0].local_momentum[0].shape  # (devices, *leaf shape): one per device
+    (1, 3)
 
     A (data, model) mesh with a column-sharded matrix (on 1 × 1 devices here):
 
@@ -318,8 +336,8 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data", *,
     >>> state = onebit_optax.init_sharded(
     ...     tx, {'w': jnp.ones((4, 6))}, mesh, 'data',
     ...     param_specs={'w': P(None, 'model')}, model_axis='model')
-    >>> state[0].mu.sharding.spec[0], state[0].worker_error.sharding.spec[0]
-    ('model', ('data', 'model'))
+    >>> state[0].mu['w'].sharding.spec, state[0].worker_scale.sharding.spec[0]
+    (PartitionSpec(None, 'model'), ('data', 'model'))
 
   References:
     `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
