@@ -1,4 +1,4 @@
-"""Orbax checkpoints that resume 1-bit Adam exactly, per-device error buffers included."""
+"""Orbax checkpoints that resume 1-bit Adam exactly, per-device buffers included."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
+from onebit_optax import _accessors
+from onebit_optax import _layout as _layout_mod
 from onebit_optax import _sharding
+from onebit_optax import _wire
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "abstract_state"]
 
@@ -19,8 +22,17 @@ __all__ = ["save_checkpoint", "restore_checkpoint", "abstract_state"]
 _PARAMS = "params"
 _OPT_STATE = "opt_state"
 _META = "onebit_optax"
-_FORMAT = "onebit_optax.checkpoint/1"
+# The layout of the 1-bit Adam state the record describes. 3: tree-shaped
+# moments, per-device local_momentum / worker_scale, the uint8 momentum_message
+# (onebit-optax core v3). Checkpoints without it (format 1: flat padded mu/nu)
+# are refused.
+_VERSION = 3
+_FORMAT = f"onebit_optax.checkpoint/{_VERSION}"
 _MAX_DIFFS = 8  # differences listed in a mismatch error
+# The fields whose shapes depend on the device count and the mesh layout: the
+# per-device buffers and the gathered message (its rows are the n chunks).
+_PER_DEVICE = ("local_momentum", "worker_scale", "worker_error", "server_error")
+_SIZED = _PER_DEVICE + ("momentum_message",)
 
 
 def _orbax():
@@ -52,12 +64,15 @@ def _open(directory_or_manager, *, create: bool):
   return ocp.CheckpointManager(path, options=options, item_handlers=handlers), True
 
 
+def _is_state(x) -> bool:
+  return isinstance(x, ScaleByOnebitAdamState)
+
+
 def _find(opt_state) -> tuple[tuple, ScaleByOnebitAdamState]:
   """Key path and value of the single 1-bit Adam state inside ``opt_state``."""
-  is_state = lambda x: isinstance(x, ScaleByOnebitAdamState)
   found = [(path, node) for path, node in
-           jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_state)[0]
-           if is_state(node)]
+           jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[0]
+           if _is_state(node)]
   if len(found) != 1:
     raise ValueError(
         f"Expected exactly one 1-bit Adam state inside the optimizer state, found "
@@ -66,23 +81,14 @@ def _find(opt_state) -> tuple[tuple, ScaleByOnebitAdamState]:
   return found[0]
 
 
-def _error_paths(opt_state, names=("worker_error", "server_error")) -> tuple[str, ...]:
-  path, _ = _find(opt_state)
-  return tuple(jax.tree_util.keystr((*path, jax.tree_util.GetAttrKey(name)))
-               for name in names)
+def _with_state(opt_state, fn):
+  """``opt_state`` with its 1-bit Adam state replaced by ``fn(state)``."""
+  return jax.tree.map(lambda x: fn(x) if _is_state(x) else x, opt_state, is_leaf=_is_state)
 
 
-def _flat_paths(opt_state) -> tuple[str, ...]:
-  """The flat moment buffers: their padded tail depends on the device count."""
-  return _error_paths(opt_state, ("mu", "nu"))
-
-
-def _relayout(x, abstract):
-  """A flat moment buffer cut or zero-extended at its tail (leaf offsets do not move)."""
-  def move(v):
-    kept = v[:min(v.shape[0], abstract.shape[0])]
-    return jnp.pad(kept, (0, abstract.shape[0] - kept.shape[0]))
-  return jax.jit(move, out_shardings=abstract.sharding)(x)
+def _strip(opt_state):
+  """The state without the fields whose shapes depend on the mesh (compared separately)."""
+  return _with_state(opt_state, lambda s: s._replace(**{name: None for name in _SIZED}))
 
 
 def _signature(tree) -> list:
@@ -92,35 +98,93 @@ def _signature(tree) -> list:
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _shape_of(x):
+  return None if x is None else [int(d) for d in np.shape(x)]
+
+
+def _device_axes(x, rows: int) -> list:
+  """Sizes of the mesh axes that number a per-device buffer's rows (``[rows]`` off a mesh)."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding) and len(sharding.spec) and sharding.spec[0] is not None:
+    names = sharding.spec[0] if isinstance(sharding.spec[0], tuple) else (sharding.spec[0],)
+    return [int(sharding.mesh.shape[a]) for a in names]
+  return [int(rows)]
+
+
 def _layout(opt_state) -> dict:
-  """Device count and buffer sizes of a state in the shard_map (or 1-device) layout."""
+  """The mesh-dependent part of a state in the shard_map (or 1-device) layout, checked.
+
+  Global shapes: each per-device buffer has one row per device, the gathered
+  ``momentum_message`` one row per chunk (as many as devices), and
+  ``worker_scale`` one column per compressed leaf, which fixes the wire layout.
+  """
   _, state = _find(opt_state)
-  size = int(np.prod(np.shape(state.mu)))
-  worker, server = np.shape(state.worker_error), np.shape(state.server_error)
-  n = worker[0] if len(worker) == 2 else 0
-  # worker_error covers the whole buffer, or a 1/L slice under hierarchical averaging.
-  if (np.ndim(state.count) != 0 or len(worker) != 2 or n < 1 or np.ndim(state.mu) != 1
-      or worker[1] < 1 or size % worker[1] or server != (n, size // n)):
+  message, scale = np.shape(state.momentum_message), np.shape(state.worker_scale)
+  local = state.local_momentum
+  if np.ndim(state.count) != 0:
+    raise ValueError(
+        "The 1-bit Adam state does not have the layout of onebit_optax.init_sharded: count "
+        f"has shape {np.shape(state.count)}, i.e. every field carries a leading device "
+        "axis: a pmap state is not supported. Checkpoint the state of the shard_map "
+        "training step (out_specs=onebit_optax.state_partition_specs(...)).")
+  sharding = getattr(state.momentum_message, "sharding", None)
+  if isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec):
+    raise ValueError(
+        "save_checkpoint: the 1-bit Adam state is sharded over a model-parallel axis "
+        f"(momentum_message has spec {sharding.spec}); checkpoints of data x model "
+        "meshes are not supported yet (abstract_state and restore_checkpoint know only "
+        "data-parallel meshes).")
+  n = message[0] if len(message) == 2 else 0
+  rows = [np.shape(x)[0] if np.ndim(x) >= 1 else None
+          for x in (state.worker_scale, state.worker_error, state.server_error, *(local or ()))
+          if x is not None]
+  nu = jax.tree.leaves(state.nu)
+  ok = len(message) == 2 and n >= 1 and len(scale) == 2 and all(r == n for r in rows)
+  layout = None
+  if ok:
+    layout = _accessors._layout_of(state.nu, state.momentum_message, scale[1])
+    ok = (layout.row_bytes == message[1] and len(layout.compressed) == scale[1]
+          and (local is None or [tuple(np.shape(u)) for u in local]
+               == [(n,) + tuple(np.shape(nu[i])) for i in layout.compressed]))
+  if not ok:
+    shapes = {name: (None if getattr(state, name) is None
+                     else jax.tree.map(np.shape, getattr(state, name)))
+              for name in _SIZED}
     raise ValueError(
         "The 1-bit Adam state does not have the layout of onebit_optax.init_sharded "
-        f"(global error buffers (devices, padded)): count has shape {np.shape(state.count)}, "
-        f"worker_error {worker}, server_error {server}, mu {np.shape(state.mu)}. Checkpoint "
-        "the state returned by the shard_map training step (out_specs="
-        "onebit_optax.state_partition_specs(...)), or by tx.init with axis_name=None. "
-        "A pmap state (a leading device axis on every leaf) is not supported.")
-  return {"num_devices": int(n), "padded_size": int(size)}
+        "(per-device buffers with one row per device, the message with one row per "
+        f"chunk): {shapes}. Checkpoint the state returned by the shard_map training "
+        "step (out_specs=onebit_optax.state_partition_specs(...)), or by tx.init with "
+        "axis_name=None. A pmap state (a leading device axis on every leaf) is not "
+        "supported.")
+  error = next((x for x in (*(local or ()), state.worker_error, state.server_error)
+                if x is not None), None)
+  return {
+      "num_devices": int(n),
+      "device_axes": _device_axes(state.worker_scale, n),
+      "compressed": [int(i) for i in layout.compressed],
+      "error_dtype": None if error is None else str(np.dtype(error.dtype)),
+      "buffers": {
+          "local_momentum": None if local is None else [_shape_of(u) for u in local],
+          "worker_scale": _shape_of(state.worker_scale),
+          "worker_error": _shape_of(state.worker_error),
+          "server_error": _shape_of(state.server_error),
+          "momentum_message": _shape_of(state.momentum_message),
+      },
+  }
 
 
 def _metadata(step, params, opt_state) -> dict:
+  stripped = _strip(opt_state)
   return {
       "format": _FORMAT,
+      "onebit_format": _VERSION,
       "step": int(step),
-      **_layout(opt_state),
+      "layout": _layout(opt_state),
       "process_count": jax.process_count(),
-      "error_paths": list(_error_paths(opt_state)),
       "params": _signature(params),
-      "opt_state_treedef": str(jax.tree.structure(opt_state)),
-      "opt_state": _signature(opt_state),
+      "opt_state_treedef": str(jax.tree.structure(stripped)),
+      "opt_state": _signature(stripped),
   }
 
 
@@ -128,9 +192,11 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
   """Shapes, dtypes and shardings of the state :func:`init_sharded` would return.
 
   An Orbax restore needs such a target: without one it cannot rebuild the
-  NamedTuple state, and it places the per-device error buffers (global shape
-  ``(devices, padded)``, sharded over ``axis_name``) only where it is told.
-  Nothing is computed or allocated.
+  NamedTuple state, and it places the per-device buffers (``local_momentum``,
+  ``worker_scale``, the error buffers: global leading axis = devices, sharded
+  over ``axis_name``) only where it is told. Fields that do not exist in this
+  layout (``server_error`` on one device, ``worker_error`` unless hierarchical)
+  are None. Nothing is computed or allocated.
 
   Args:
     tx: the optimizer (any optax transformation containing 1-bit Adam).
@@ -145,9 +211,11 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
     >>> import jax, jax.numpy as jnp, onebit_optax
     >>> mesh = jax.make_mesh((2,), ('data',))
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
-    >>> target = onebit_optax.abstract_state(tx, {'w': jnp.ones(3)}, mesh)
-    >>> target[0].worker_error.shape, target[0].worker_error.sharding.spec
-    ((2, 256), P('data',))
+    >>> target = onebit_optax.abstract_state(tx, {'w': jnp.ones(300)}, mesh)
+    >>> target[0].local_momentum[0].shape, target[0].local_momentum[0].sharding.spec
+    ((2, 300), P('data',))
+    >>> target[0].momentum_message.shape, target[0].worker_error
+    ((2, 40), None)
 
   References:
     `Orbax checkpointing <https://orbax.readthedocs.io/en/latest/>`_;
@@ -172,12 +240,15 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
 
   Unlike DeepSpeed, which keeps only rank 0's error-feedback buffers and zeroes
   them on every load (its tutorial warns that frequent reloads hurt
-  convergence), every device's ``worker_error`` and ``server_error`` are saved
-  (each process writes its own rows), so :func:`restore_checkpoint` resumes bit
-  for bit. Beside them goes a small JSON record of the device count, the buffer
-  sizes and the shapes and structure of both trees, which lets the restore
-  refuse a mismatched model or optimizer, and detect a new device count, instead
-  of silently reinterpreting the arrays.
+  convergence), every device's buffers (``local_momentum``, from which the
+  worker error feedback is formed, ``worker_scale``, ``server_error``, and
+  under hierarchical averaging ``worker_error``) are saved (each process
+  writes its own rows), so :func:`restore_checkpoint` resumes bit for bit.
+  Beside them goes a small JSON record: the format version (``onebit_format``,
+  3), the device count and mesh layout, the wire layout (which leaves are
+  compressed) and the shapes and structure of both trees, which lets the
+  restore refuse a mismatched model or optimizer, and detect a new device
+  count, instead of silently reinterpreting the arrays.
 
   It is an Orbax ``CheckpointManager`` step with three items: ``params``,
   ``opt_state`` and ``onebit_optax`` (the record). Call it on every process.
@@ -199,14 +270,14 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
     >>> import tempfile, jax, jax.numpy as jnp, onebit_optax
     >>> mesh = jax.make_mesh((2,), ('data',))
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
-    >>> params = {'w': jnp.ones(3)}
+    >>> params = {'w': jnp.ones(300)}
     >>> state = onebit_optax.init_sharded(tx, params, mesh)
     >>> with tempfile.TemporaryDirectory() as directory:
     ...   onebit_optax.save_checkpoint(directory, 7, params, state)
     ...   params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, mesh)
     True
-    >>> step, state[0].worker_error.shape
-    (7, (2, 256))
+    >>> step, state[0].local_momentum[0].shape, state[0].server_error.shape
+    (7, (2, 300), (2, 256))
 
   References:
     `Orbax checkpointing <https://orbax.readthedocs.io/en/latest/>`_;
@@ -256,12 +327,35 @@ def _first_difference(saved: str, now: str, context: int = 70) -> str:
   return f"tree structure in the checkpoint: {cut(saved)}\n  tree structure of tx.init now:   {cut(now)}"
 
 
+def _check_version(where: str, metadata: dict) -> None:
+  """Refuses a record of another layout of the state (no conversion is offered)."""
+  version = metadata.get("onebit_format")
+  if version == _VERSION:
+    return
+  if version is None and not str(metadata.get("format", "")).startswith("onebit_optax."):
+    raise ValueError(
+        f"restore_checkpoint: {where} has no onebit_optax record (item {_META!r} holds no "
+        "'onebit_format'); it was not written by onebit_optax.save_checkpoint.")
+  if version is None or (isinstance(version, int) and version < _VERSION):
+    raise ValueError(
+        f"restore_checkpoint: {where} was written by an older onebit-optax (checkpoint "
+        f"format {metadata.get('format')!r}, no 'onebit_format' {_VERSION} in its record). "
+        "Its 1-bit Adam state has the old flat layout (mu and nu as one padded vector of "
+        "shape (padded,), leaf_sizes, flat per-device error buffers), which this version "
+        "cannot read, and no conversion is offered. Either restore it with the "
+        "onebit-optax version that wrote it and finish the run with that version, or "
+        "start the optimizer afresh on the saved parameters: read the 'params' item with "
+        "Orbax (orbax.checkpoint.CheckpointManager(directory).restore(step, args="
+        "ocp.args.Composite(params=ocp.args.PyTreeRestore()))), then init_sharded; "
+        "Adam's moments and the phase are lost and the run warms up again.")
+  raise ValueError(
+      f"restore_checkpoint: {where} was written by a newer onebit-optax (checkpoint format "
+      f"{version!r}); this version reads format {_VERSION}. Upgrade onebit-optax.")
+
+
 def _check_compatible(where: str, metadata: dict, params, target) -> None:
   """Raises a ValueError naming what differs between the checkpoint and the new run."""
-  if metadata.get("format") != _FORMAT:
-    raise ValueError(
-        f"restore_checkpoint: {where} has checkpoint format {metadata.get('format')!r}; "
-        f"this version of onebit_optax reads {_FORMAT!r}.")
+  _check_version(where, metadata)
   lines = _diff(metadata["params"], _signature(params))
   if lines:
     raise ValueError(
@@ -269,15 +363,15 @@ def _check_compatible(where: str, metadata: dict, params, target) -> None:
         "(a different model?):\n  " + "\n  ".join(lines) + "\nPass the parameter tree "
         "(shapes and dtypes) of the run that saved it; a different model needs a fresh "
         "optimizer state (tx.init / init_sharded).")
-  error_paths = set(metadata["error_paths"])
-  # The error buffers' and the flat moments' shapes depend on the device count
-  # (the params, checked above, fix the rest): compared separately.
-  sized_paths = error_paths | set(_flat_paths(target))
-  strip = lambda sig: [[p, s if p not in sized_paths else ["devices", "..."], d]
-                       for p, s, d in sig]
-  lines = _diff(strip(metadata["opt_state"]), strip(_signature(target)))
-  treedef = str(jax.tree.structure(target))
-  if lines or metadata["opt_state_treedef"] != treedef or set(_error_paths(target)) != error_paths:
+  # The per-device buffers' and the message's shapes depend on the mesh (the
+  # params, checked above, fix the rest): compared apart, in the restore.
+  stripped = _strip(target)
+  lines = _diff(metadata["opt_state"], _signature(stripped))
+  treedef = str(jax.tree.structure(stripped))
+  saved_error, error = metadata["layout"]["error_dtype"], _layout(target)["error_dtype"]
+  if not lines and saved_error is not None and error is not None and saved_error != error:
+    lines = [f"error_dtype (the per-device buffers): checkpoint {saved_error}, now {error}"]
+  if lines or metadata["opt_state_treedef"] != treedef:
     detail = ("\n  ".join(lines) if lines
               else _first_difference(metadata["opt_state_treedef"], treedef))
     raise ValueError(
@@ -290,25 +384,81 @@ def _first_value(x):
   return np.asarray(x.addressable_shards[0].data if hasattr(x, "addressable_shards") else x)
 
 
+def _wire_layout(params, info: dict) -> _layout_mod.WireLayout:
+  """The wire layout a state with this record's layout was made with (checked against it)."""
+  rows, row_bytes = info["buffers"]["momentum_message"]
+  message = jax.ShapeDtypeStruct((rows, row_bytes), jnp.uint8)
+  layout = _accessors._layout_of(params, message, len(info["compressed"]))
+  if list(layout.compressed) != info["compressed"] or layout.row_bytes != row_bytes:
+    raise ValueError(
+        f"restore_checkpoint: the momentum message of shape {(rows, row_bytes)} with "
+        f"compressed leaves {info['compressed']} matches no wire layout of these "
+        f"parameters on {rows} devices (the layout gives compressed leaves "
+        f"{list(layout.compressed)} and rows of {layout.row_bytes} bytes); it cannot be "
+        "moved to another mesh.")
+  return layout
+
+
+def _relayout_message(message, params, old: _layout_mod.WireLayout,
+                      new: _layout_mod.WireLayout, sharding):
+  """The mean momentum of ``message`` (``old`` layout) compressed again for ``new``.
+
+  As at the freeze: the momentum is decoded leaf by leaf, and each compressed
+  leaf of the new layout is sent as its signs with one scale per leaf (its
+  RMS); exact leaves carry their decoded values.
+  """
+  shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+
+  def move(message):
+    exact_old = _wire.message_exact(old, message)
+    def leaf(i):
+      if i in old.compressed:
+        return _wire.message_leaf(old, message, old.compressed.index(i), shapes[i])
+      offset = old.exact_offsets[old.exact.index(i)]
+      return exact_old[offset:offset + old.sizes[i]].reshape(shapes[i])
+    sent = [leaf(i) for i in new.compressed]
+    exact = [jnp.ravel(leaf(i)) for i in new.exact]
+    scales = (jnp.stack([_wire.leaf_rms(u) for u in sent]) if sent
+              else jnp.zeros((0,), jnp.float32))
+    exact = jnp.concatenate(exact) if exact else jnp.zeros((0,), jnp.float32)
+    return _wire.rows(new, [_wire.leaf_signs(u) for u in sent], scales, exact)
+
+  return jax.jit(move, out_shardings=sharding)(message)
+
+
+def _zeros(abstract):
+  return jax.jit(lambda: jnp.zeros(abstract.shape, abstract.dtype),
+                 out_shardings=abstract.sharding)()
+
+
 def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = None,
                        axis_name: Hashable = "data", *, step: Optional[int] = None):
   """Restores what :func:`save_checkpoint` saved, placed for ``mesh``, checking that it fits.
 
-  On the same number of devices the state comes back exactly, error buffers
-  included, so training continues bit for bit as if never interrupted.
+  On the same mesh (device count and layout) the state comes back exactly,
+  per-device buffers included, so training continues bit for bit as if never
+  interrupted.
 
-  On a different number of devices (or on one device, ``mesh=None``), the
-  per-device error buffers cannot be carried over: each holds one device's
-  compression residual (and its share of the server chunks), and their shapes
-  depend on the device count. They are reset to zero in the new shapes, with a
-  warning if the run was already in the compression phase (during warmup they
-  are still zero, so nothing is lost). Everything else is kept: ``mu``, ``nu``,
-  the phase (``frozen``, ``freeze_step``), ``count``, ``skipped_steps`` and the
-  variance-ratio fields, so training goes on in the phase it was in.
+  On another device count or mesh layout (flat vs hierarchical, or on one
+  device, ``mesh=None``), the per-device buffers cannot be carried over: each
+  holds one device's compression residual (``local_momentum``,
+  ``worker_scale``, ``worker_error``) or its share of the server chunks
+  (``server_error``), and their shapes depend on the mesh. They are reset to
+  zero in the new shapes and ``feedback_valid`` to False, with a warning if the
+  run was already in the compression phase (during warmup they are still zero,
+  so nothing is lost). The compressed mean momentum (``momentum_message``,
+  one row per device) is decoded with the saved wire layout and compressed
+  again for the new one as the freeze step does (its signs, one scale per
+  leaf; exact leaves keep their values), so the first step after the restore
+  uses :math:`\\beta_1 C(m)` instead of :math:`\\beta_1 m`. Everything else is
+  kept: ``mu``, ``nu``, ``nu_l1``, the phase (``frozen``, ``freeze_step``),
+  ``count``, ``skipped_steps`` and the variance-ratio fields, so training goes
+  on in the phase it was in.
 
-  A checkpoint of other parameters (names, shapes, dtypes) or of another
-  optimizer (the state's tree structure, e.g. a different ``optax.chain``)
-  raises a ValueError saying what differs.
+  A checkpoint of other parameters (names, shapes, dtypes), of another
+  optimizer (the state's tree structure, e.g. a different ``optax.chain``), or
+  of an older onebit-optax (record without ``onebit_format`` 3: the flat state
+  layout, which is not converted) raises a ValueError saying what differs.
 
   Args:
     directory_or_manager: the directory given to :func:`save_checkpoint`, or an
@@ -329,14 +479,16 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
   Example:
     >>> import tempfile, warnings, jax, jax.numpy as jnp, onebit_optax
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data', freeze=1)
-    >>> params = {'w': jnp.ones(3)}
+    >>> params = {'w': jnp.ones(300)}
     >>> state = onebit_optax.init_sharded(tx, params, jax.make_mesh((2,), ('data',)))
     >>> new_mesh = jax.make_mesh((4,), ('data',))  # a restart on 4 devices
     >>> with tempfile.TemporaryDirectory() as directory:
     ...   _ = onebit_optax.save_checkpoint(directory, 3, params, state)
     ...   params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, new_mesh)
-    >>> state[0].worker_error.shape  # reset for 4 devices (no warning: still warmup)
-    (4, 512)
+    >>> state[0].server_error.shape  # reset for 4 devices (no warning: still warmup)
+    (4, 128)
+    >>> state[0].momentum_message.shape  # one row per device
+    (4, 20)
 
   References:
     `Orbax checkpointing <https://orbax.readthedocs.io/en/latest/>`_;
@@ -374,27 +526,30 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=param_sharding), params)
     _check_compatible(where, metadata, params_target, target)
 
-    error_paths = set(metadata["error_paths"])
-    saved_errors = {p: (tuple(s), d) for p, s, d in metadata["opt_state"] if p in error_paths}
-    new_errors = {p: (tuple(s), d) for p, s, d in _signature(target) if p in error_paths}
-    new_layout = _layout(target)
-    # The same device count with other error shapes is another mesh layout (e.g.
-    # flat vs hierarchical averaging): the residuals do not carry over either.
-    same_devices = (metadata["num_devices"] == new_layout["num_devices"]
-                    and saved_errors == new_errors)
-
-    # The error buffers are per device: on another device count they are not read
-    # at all (an Orbax placeholder), since Orbax would happily reshard them.
-    flat_paths = set(_flat_paths(target))
-    saved_shapes = {p: tuple(s) for p, s, _ in metadata["opt_state"]}
-    def skip(path, x):
-      key = jax.tree_util.keystr(path)
-      if same_devices or key not in error_paths | flat_paths:
-        return x
-      if key in flat_paths:  # read as saved, cut or extended below
-        return jax.ShapeDtypeStruct(saved_shapes[key], x.dtype, sharding=x.sharding)
-      return ocp.PLACEHOLDER
-    item = jax.tree_util.tree_map_with_path(skip, target)
+    saved_layout, new_layout = metadata["layout"], _layout(target)
+    # The same device count with other buffer shapes is another mesh layout
+    # (flat vs hierarchical, another threshold of exact leaves): the
+    # per-device buffers do not carry over either.
+    same_mesh = all(saved_layout[key] == new_layout[key]
+                    for key in ("num_devices", "device_axes", "compressed", "buffers"))
+    if same_mesh:
+      item = target
+    else:
+      # Read as saved: the message (replicated here, moved below); the
+      # per-device buffers not at all (an Orbax placeholder, since Orbax would
+      # happily reshard them onto the new devices).
+      buffers = saved_layout["buffers"]
+      placeholder = lambda name: None if buffers[name] is None else ocp.PLACEHOLDER
+      def as_saved(state):
+        return state._replace(
+            local_momentum=(None if buffers["local_momentum"] is None
+                            else tuple(ocp.PLACEHOLDER for _ in buffers["local_momentum"])),
+            worker_scale=ocp.PLACEHOLDER, worker_error=placeholder("worker_error"),
+            server_error=placeholder("server_error"),
+            momentum_message=jax.ShapeDtypeStruct(
+                tuple(buffers["momentum_message"]), jnp.uint8,
+                sharding=state.momentum_message.sharding))
+      item = _with_state(target, as_saved)
     as_args = lambda x: (ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
                                               dtype=x.dtype)
                          if isinstance(x, jax.ShapeDtypeStruct) else x)
@@ -408,30 +563,44 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
       manager.close()
 
   new_params, opt_state = restored[_PARAMS], restored[_OPT_STATE]
-  if not same_devices:
-    def zeros(path, x, abstract):
-      if jax.tree_util.keystr(path) in flat_paths:
-        return _relayout(x, abstract)
-      if jax.tree_util.keystr(path) not in error_paths:
-        return x
-      return jax.jit(lambda: jnp.zeros(abstract.shape, abstract.dtype),
-                     out_shardings=abstract.sharding)()
-    opt_state = jax.tree_util.tree_map_with_path(zeros, opt_state, target)
-    _, state = _find(opt_state)
-    if bool(_first_value(state.frozen)):
-      warnings.warn(
-          f"onebit_optax.restore_checkpoint: {where} was saved on "
-          f"{metadata['num_devices']} devices and is restored onto "
-          f"{new_layout['num_devices']} (or another mesh layout). 1-bit Adam's error-feedback buffers "
-          "(worker_error, server_error) hold one compression residual per device and "
-          "per chunk of the flat buffer, which has no meaning on another device count, "
-          "so they were reset to zero (new shapes "
-          f"{state.worker_error.shape} and {state.server_error.shape}). Everything "
-          "else was restored exactly: mu, nu, the phase (frozen, freeze_step="
-          f"{int(_first_value(state.freeze_step))}), count="
-          f"{int(_first_value(state.count))}, skipped_steps and the variance-ratio "
-          "fields; training continues in the compression phase, without the "
-          "correction of the residual accumulated before the checkpoint. Restore on "
-          f"{metadata['num_devices']} devices to resume bit for bit.",
-          UserWarning, stacklevel=2)
+  if same_mesh:
+    return new_params, opt_state, int(step)
+
+  _, state = _find(opt_state)
+  _, abstract = _find(target)
+  frozen = bool(_first_value(state.frozen))
+  if frozen:  # in warmup the message was never written: zeros, as on a fresh start
+    old_wire = _wire_layout(params_target, saved_layout)
+    new_wire = _wire_layout(params_target, new_layout)
+    message = _relayout_message(state.momentum_message, params_target, old_wire, new_wire,
+                                abstract.momentum_message.sharding)
+  else:
+    message = _zeros(abstract.momentum_message)
+  reset = {name: jax.tree.map(_zeros, getattr(abstract, name)) for name in _PER_DEVICE}
+  state = state._replace(**reset, momentum_message=message,
+                         feedback_valid=_zeros(abstract.feedback_valid))
+  opt_state = _with_state(opt_state, lambda _: state)
+  if frozen:
+    shapes = ", ".join(
+        f"{name} {jax.tree.map(lambda x: tuple(x.shape), getattr(state, name))}"
+        for name in _SIZED)
+    warnings.warn(
+        f"onebit_optax.restore_checkpoint: {where} was saved on "
+        f"{saved_layout['num_devices']} devices and is restored onto "
+        f"{new_layout['num_devices']} (or another mesh layout). 1-bit Adam's per-device "
+        "buffers (local_momentum, worker_scale, worker_error, server_error) hold one "
+        "compression residual per device and per chunk of the wire layout, which has no "
+        "meaning on another mesh, so they were reset to zero and the error feedback "
+        "restarts (feedback_valid=False). The compressed mean momentum (momentum_message) "
+        "was decoded with the saved layout and compressed again for the new one as at "
+        "the freeze (signs and one scale per leaf), so the next step starts from that "
+        f"compressed momentum. New shapes: {shapes}. Everything else was restored exactly: "
+        "mu, nu, nu_l1, the phase (frozen, freeze_step="
+        f"{int(_first_value(state.freeze_step))}), count="
+        f"{int(_first_value(state.count))}, skipped_steps and the variance-ratio "
+        "fields; training continues in the compression phase, without the correction "
+        "of the residual accumulated before the checkpoint. Restore on "
+        f"{saved_layout['num_devices']} devices with the saved mesh layout to resume "
+        "bit for bit.",
+        UserWarning, stacklevel=2)
   return new_params, opt_state, int(step)

@@ -5,9 +5,10 @@ Imported by the test (one process, 8 simulated devices) and run as a script:
 * ``resize``: restores a checkpoint saved on 8 devices onto this process's
   devices (4, set by the test through XLA_FLAGS) and trains on, next to a
   reference state built by hand (``init_sharded`` on 4 devices, with the saved
-  values of every field but the error buffers written in, read from
-  ``--out/saved_<step>.npz``). Writes ``resize_<step>.npz`` and
-  ``resize_<step>.json`` to ``--out``.
+  values of every field but the mesh-dependent ones written in, read from
+  ``--out/saved_<step>.npz``; the re-laid-out message is the restored one,
+  which the test checks against :func:`decode_message`). Writes
+  ``resize_<step>.npz`` and ``resize_<step>.json`` to ``--out``.
 * ``mp``: one rank of a multi-process run (``python -m onebit_optax.launch``):
   trains from scratch or restores ``--ckpt``, may save at ``--save-at`` and then
   SIGKILL itself (a crash right after the checkpoint), and writes what this
@@ -37,7 +38,10 @@ import onebit_optax
 from onebit_optax import launch
 import _flat
 
-FEATURES, HIDDEN, ROWS_PER_DEVICE = 6, 7, 4
+# w1 (240 elements, 2 blocks) is compressed: on 8 devices it spans two chunks,
+# i.e. two segments with their own scales; b1 and w2 (40 each, under
+# EXACT_BELOW = 64) travel as exact float32.
+FEATURES, HIDDEN, ROWS_PER_DEVICE = 6, 40, 4
 STEPS = 12
 # Freeze by the variance ratio (checked every 2 steps, first possible at step 6):
 # a restore in warmup must carry reference_l1 / variance_ratio over for the
@@ -74,22 +78,27 @@ def global_batch(step, num_devices):
   return x, y.astype(np.float32)
 
 
-def make_step(tx, mesh, opt_state):
-  specs = onebit_optax.state_partition_specs(opt_state, "data")
+def make_step(tx, mesh, opt_state, axis="data"):
+  """The shard_map training step; ``axis`` is a mesh axis or a (slow, fast) pair."""
+  specs = onebit_optax.state_partition_specs(opt_state, axis)
+  names = axis if isinstance(axis, tuple) else (axis,)
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(axis), P(axis)),
                      out_specs=(P(), specs, P()))
   def step(params, opt_state, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(onebit_optax.local_params(params, "data"), x, y)
+    local = params
+    for name in names:
+      local = onebit_optax.local_params(local, name)
+    loss, grads = jax.value_and_grad(loss_fn)(local, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "data")
+    return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axis)
   return step
 
 
 def put_batch(mesh, t):
   """Step ``t``'s batch, each process contributing its own (contiguous) rows."""
-  sharding = NamedSharding(mesh, P("data"))
+  sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
   x, y = global_batch(t, mesh.size)
   starts = sorted({idx[0].start or 0
                    for idx in sharding.addressable_devices_indices_map(x.shape).values()})
@@ -119,6 +128,57 @@ def local_leaves(tree):
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+# The fields whose shapes depend on the mesh: reset (per-device) or re-laid out
+# (the message) by a restore onto another mesh.
+SIZED = ("local_momentum", "worker_scale", "worker_error", "server_error", "momentum_message")
+
+
+def message_layout(sizes, compressed, n):
+  """Byte offsets of one message: (chunk_bytes, segments, exact_chunk), an independent model."""
+  comp = [sizes[i] for i in compressed]
+  exact = sum(s for i, s in enumerate(sizes) if i not in compressed and s > 0)
+  return (_flat.padded(comp, n) // n // 8, _flat.max_segments(comp, n), -(-exact // n))
+
+
+def decode_message(message, sizes, compressed, n):
+  """The leaves (flat float32 numpy, in tree order) that a gathered message holds.
+
+  Compressed leaves: their packed sign bits (bit 1: +scale, little bit order)
+  laid out leaf after leaf on 128-element blocks, the stream cut into n
+  chunks, one scale per segment (a run of one leaf's blocks in a chunk).
+  Exact leaves: float32, concatenated, cut into n chunks.
+  """
+  message = np.asarray(message)
+  chunk_bytes, segments, exact_chunk = message_layout(sizes, compressed, n)
+  assert message.shape == (n, chunk_bytes + 4 * (segments + exact_chunk)), message.shape
+  bits = np.unpackbits(message[:, :chunk_bytes].reshape(-1), bitorder="little")
+  scales = np.ascontiguousarray(message[:, chunk_bytes:chunk_bytes + 4 * segments]).view("<f4")
+  floats = np.ascontiguousarray(message[:, chunk_bytes + 4 * segments:]).view("<f4").reshape(-1)
+  comp = [sizes[i] for i in compressed]
+  owners = _flat._blocks(comp)
+  blocks_per_chunk = chunk_bytes * 8 // _flat.BLOCK
+  owners += [-1] * (n * blocks_per_chunk - len(owners))
+  block_scale = []
+  for b, owner in enumerate(owners):
+    r, j = divmod(b, blocks_per_chunk)
+    start = r * blocks_per_chunk
+    seg = sum(owners[k] != owners[k - 1] for k in range(start + 1, b + 1))
+    block_scale.append(scales[r, seg])
+  values = np.where(bits == 1, 1.0, -1.0).astype(np.float32) * np.repeat(
+      np.asarray(block_scale, np.float32), _flat.BLOCK)
+  out, exact_offset = [], 0
+  offsets = dict(zip(compressed, _flat.offsets(comp)))
+  for i, size in enumerate(sizes):
+    if i in compressed:
+      out.append(values[offsets[i]:offsets[i] + size])
+    elif size:
+      out.append(floats[exact_offset:exact_offset + size])
+      exact_offset += size
+    else:
+      out.append(np.zeros((0,), np.float32))
+  return out
+
+
 def _resize(args, step, mesh, tx, step_fns):
   template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init_params())
   with warnings.catch_warnings(record=True) as caught:
@@ -127,24 +187,24 @@ def _resize(args, step, mesh, tx, step_fns):
         args.ckpt, tx, template, mesh, step=step)
   messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
-  # The reference: a fresh 4-device state with every saved field but the error
-  # buffers written in by hand, from the values the 8-device run held.
+  # The reference: a fresh 4-device state with every saved field but the
+  # mesh-dependent ones written in by hand, from the values the 8-device run
+  # held; feedback_valid False; the message: the restored one (checked by the test).
   with np.load(os.path.join(args.out, f"saved_{step}.npz")) as f:
     saved = {k: f[k] for k in f.files}
   ref_params = jax.device_put(
       {name: saved[f"params['{name}']"] for name in init_params()}, NamedSharding(mesh, P()))
   ref_state = onebit_optax.init_sharded(tx, ref_params, mesh)
 
-  sizes = [int(np.prod(np.shape(leaf))) for leaf in jax.tree.leaves(init_params())]
+  restored_message = opt_state[0].momentum_message
 
   def fill(path, leaf):
     key = jax.tree_util.keystr(path)
-    if key.endswith("_error"):
+    if key.startswith("[0].momentum_message"):
+      return restored_message
+    if any(key.startswith(f"[0].{name}") for name in SIZED + ("feedback_valid",)):
       return leaf
-    value = saved["opt_state" + key]
-    if key.endswith(("].mu", "].nu")):  # flat: the saved leaves, laid out for these devices
-      value = _flat.relayout(value, sizes, jax.device_count())
-    return jax.device_put(value, leaf.sharding)
+    return jax.device_put(saved["opt_state" + key], leaf.sharding)
   ref_state = jax.tree_util.tree_map_with_path(fill, ref_state)
 
   restored = {f"restored_opt_state{k}": v for k, v in local_leaves(opt_state).items()}

@@ -1,11 +1,15 @@
-"""Checkpointing: exact resume (error buffers included), device-count changes, mismatches.
+"""Checkpointing: exact resume (per-device buffers included), mesh changes, mismatches.
 
 The reference for a resumed run is the same run never interrupted: every leaf of
 the final params and optimizer state must match it to the bit. The per-device
-error buffers only matter once compression has started, so the test first checks
+buffers only matter once compression has started, so the test first checks
 that they are non-zero at the compression checkpoint and that zeroing them (what
 DeepSpeed does on every load) visibly changes the result, i.e. that the
 comparison can fail.
+
+A restore onto another mesh keeps the moments and the phase, resets the
+per-device buffers and re-lays out the compressed mean momentum: checked
+against an independent numpy model of the message (ckpt_mp_script.decode_message).
 
 Subprocesses (another device count, two real processes) run under timeouts.
 """
@@ -14,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +35,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.join(HERE, "ckpt_mp_script.py")
 TIMEOUT = 150  # seconds for one subprocess, generous for 2 shared cores
-ERRORS = ("[0].worker_error", "[0].server_error")
-MOMENTS = ("[0].mu", "[0].nu")  # flat, padded for the device count
-# The parameters in flattening order (b1, w1, w2): one block of 128 each.
+# The parameters in flattening order (b1, w1, w2).
 SIZES = [run.HIDDEN, run.FEATURES * run.HIDDEN, run.HIDDEN]
+FLAT = [1]  # compressed leaves on a flat mesh: w1 (b1 and w2 are exact)
+HIER = [0, 1, 2]  # hierarchical: every leaf is compressed
+PER_DEVICE = ("local_momentum", "worker_scale", "worker_error", "server_error")
+AXES = ("node", "local")
 
 
 def _leaves(prefix, tree):
   return {prefix + k: v for k, v in run.local_leaves(tree).items()}
+
+
+def _is(key, *names):
+  """Whether ``key`` (``opt_state[0].name...``) is one of the 1-bit Adam fields ``names``."""
+  return any(f"[0].{name}" in key for name in names)
 
 
 def _assert_bitwise(actual, expected):
@@ -47,6 +59,19 @@ def _assert_bitwise(actual, expected):
     assert (got.dtype, got.shape) == (want.dtype, want.shape), key
     assert got.tobytes() == want.tobytes(), (
         f"{key} differs: max |diff| {np.nanmax(np.abs(got.astype(np.float64) - want))}")
+
+
+def _assert_relaid(new_message, new_compressed, new_n, old_message, old_compressed, old_n):
+  """``new_message`` is the old one's momentum compressed again as at the freeze."""
+  old = run.decode_message(old_message, SIZES, old_compressed, old_n)
+  new = run.decode_message(new_message, SIZES, new_compressed, new_n)
+  for i, (m, c) in enumerate(zip(old, new)):
+    if i in new_compressed:  # its signs, one scale per leaf: the RMS
+      np.testing.assert_array_equal(c >= 0, m >= 0)
+      np.testing.assert_allclose(np.abs(c), np.sqrt(np.mean(m.astype(np.float64) ** 2)),
+                                 rtol=1e-6)
+    else:  # exact: the decoded values themselves
+      assert c.tobytes() == m.tobytes(), i
 
 
 def _fresh_restart(directory, step):
@@ -59,15 +84,9 @@ def _fresh_restart(directory, step):
   return mesh, tx, params, opt_state, restored_step
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-  """The 8-device run, saving at a warmup step and at a compression step on the way."""
-  assert jax.device_count() == 8
-  directory = str(tmp_path_factory.mktemp("ckpt"))
-  mesh = jax.make_mesh((8,), ("data",))
-  tx = run.make_tx()
+def _train_and_save(directory, mesh, tx, axis):
   params = jax.device_put(run.init_params(), NamedSharding(mesh, P()))
-  opt_state = onebit_optax.init_sharded(tx, params, mesh)
+  opt_state = onebit_optax.init_sharded(tx, params, mesh, axis)
   snapshots = {}
 
   def on_step(t, params, opt_state):
@@ -76,10 +95,30 @@ def uninterrupted(tmp_path_factory):
       snapshots[t] = {**_leaves("params", params), **_leaves("opt_state", opt_state)}
       np.savez(os.path.join(directory, f"saved_{t}.npz"), **snapshots[t])
 
-  step_fn = run.make_step(tx, mesh, opt_state)
+  step_fn = run.make_step(tx, mesh, opt_state, axis)
   params, opt_state, losses = run.train(step_fn, mesh, params, opt_state, 0, run.STEPS, on_step)
   final = {**_leaves("params", params), **_leaves("opt_state", opt_state)}
   return directory, snapshots, final, losses
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """The 8-device run, saving at a warmup step and at a compression step on the way."""
+  assert jax.device_count() == 8
+  return _train_and_save(str(tmp_path_factory.mktemp("ckpt")), jax.make_mesh((8,), ("data",)),
+                         run.make_tx(), "data")
+
+
+def _hier_tx():
+  return onebit_optax.onebit_adam(
+      3e-2, axis_name=AXES, freeze=onebit_optax.variance_ratio_freeze(**run.FREEZE))
+
+
+@pytest.fixture(scope="module")
+def hierarchical(tmp_path_factory):
+  """The same run on a (2, 4) mesh averaging hierarchically."""
+  return _train_and_save(str(tmp_path_factory.mktemp("ckpt_hier")), jax.make_mesh((2, 4), AXES),
+                         _hier_tx(), AXES)
 
 
 def test_the_run_crosses_the_phases_where_the_checkpoints_are(uninterrupted):
@@ -92,17 +131,30 @@ def test_the_run_crosses_the_phases_where_the_checkpoints_are(uninterrupted):
   assert np.isfinite(warm["opt_state[0].variance_ratio"])
   # Frozen at step 6 (the first possible step), before the compression checkpoint.
   assert comp["opt_state[0].frozen"] and comp["opt_state[0].freeze_step"] == 6
-  for key in ERRORS:
-    assert np.all(warm["opt_state" + key] == 0)
-    assert comp["opt_state" + key].shape[0] == 8
+  assert comp["opt_state[0].feedback_valid"]
+  for key, value in warm.items():
+    if _is(key, *PER_DEVICE, "momentum_message"):
+      assert not np.any(value), key
+  # None fields: no worker_error on a flat mesh.
+  assert not any(_is(key, "worker_error") for key in comp)
   # Different on every device, so a mix-up of rows would show. The server rows
-  # are the chunks (one block each): the 3 leaves fill chunks 0-2, chunks 3-7 are
+  # are the chunks (one block each): w1 fills chunks 0-1, chunks 2-7 are
   # tail padding, held at exactly zero.
-  assert _flat.padded(SIZES, 8) == 8 * 128
-  worker, server = (comp["opt_state" + key] for key in ERRORS)
-  assert len({row.tobytes() for row in worker}) == 8
-  assert len({row.tobytes() for row in server[:3]}) == 3 and np.all(np.any(server[:3], axis=1))
-  assert not np.any(server[3:])
+  assert _flat.padded([SIZES[1]], 8) == 8 * 128
+  local = comp["opt_state[0].local_momentum[0]"]
+  scale = comp["opt_state[0].worker_scale"]
+  server = comp["opt_state[0].server_error"]
+  assert local.shape == (8, run.FEATURES, run.HIDDEN) and scale.shape == (8, 1)
+  assert len({row.tobytes() for row in local}) == 8
+  assert len({row.tobytes() for row in scale}) == 8
+  assert server.shape == (8, 128)
+  assert len({row.tobytes() for row in server[:2]}) == 2 and np.all(np.any(server[:2], axis=1))
+  assert not np.any(server[2:])
+  # The message: w1 in two segments with their own scales (so a re-layout with
+  # one scale per leaf really compresses again), b1 and w2 exact.
+  b1, w1, w2 = run.decode_message(comp["opt_state[0].momentum_message"], SIZES, FLAT, 8)
+  assert len(np.unique(np.abs(w1))) == 2
+  assert np.all(np.isfinite(b1)) and np.any(b1) and np.any(w2)
   assert final["opt_state[0].count"] == run.STEPS
 
 
@@ -113,7 +165,9 @@ def test_resume_is_bitwise_exact(uninterrupted, save_step):
   assert step == save_step
   _assert_bitwise({**_leaves("params", params), **_leaves("opt_state", opt_state)},
                   snapshots[save_step])
-  assert opt_state[0].worker_error.sharding.spec == P("data")
+  assert opt_state[0].local_momentum[0].sharding.spec == P("data")
+  assert opt_state[0].server_error.sharding.spec == P("data")
+  assert opt_state[0].worker_error is None
 
   step_fn = run.make_step(tx, mesh, opt_state)
   out_params, out_state, out_losses = run.train(
@@ -122,10 +176,12 @@ def test_resume_is_bitwise_exact(uninterrupted, save_step):
   assert out_losses == losses[step:]
 
   if save_step == run.COMPRESSION_SAVE:
-    # The comparison can fail: DeepSpeed-style zeroed error buffers change the result.
-    reset = (opt_state[0]._replace(
-        worker_error=jnp.zeros_like(opt_state[0].worker_error),
-        server_error=jnp.zeros_like(opt_state[0].server_error)),) + tuple(opt_state[1:])
+    # The comparison can fail: DeepSpeed-style zeroed buffers change the result.
+    s = opt_state[0]
+    reset = (s._replace(
+        local_momentum=jax.tree.map(jnp.zeros_like, s.local_momentum),
+        server_error=jnp.zeros_like(s.server_error),
+        feedback_valid=jnp.zeros_like(s.feedback_valid)),) + tuple(opt_state[1:])
     reset_params, _, _ = run.train(step_fn, mesh, params, reset, step, run.STEPS)
     assert any(not np.array_equal(a, final[k])
                for k, a in _leaves("params", reset_params).items())
@@ -135,6 +191,15 @@ def test_latest_step_is_the_default(uninterrupted):
   directory = uninterrupted[0]
   *_, step = _fresh_restart(directory, None)
   assert step == run.COMPRESSION_SAVE
+
+
+def test_the_record_carries_the_format_version(uninterrupted):
+  with open(os.path.join(uninterrupted[0], str(run.COMPRESSION_SAVE), "onebit_optax",
+                         "metadata")) as f:
+    record = json.load(f)
+  assert record["onebit_format"] == 3
+  assert record["layout"]["num_devices"] == 8 and record["layout"]["compressed"] == FLAT
+  assert record["layout"]["buffers"]["worker_error"] is None
 
 
 def _restore(directory, tx=None, params=None, **kwargs):
@@ -147,7 +212,7 @@ def _restore(directory, tx=None, params=None, **kwargs):
 def test_other_parameters_are_refused(uninterrupted):
   directory = uninterrupted[0]
   wider = {**run.init_params(), "w2": np.zeros((run.HIDDEN, 2), np.float32)}
-  with pytest.raises(ValueError, match=r"other parameters(.|\n)*\['w2'\]: checkpoint \(7, 1\)"):
+  with pytest.raises(ValueError, match=r"other parameters(.|\n)*\['w2'\]: checkpoint \(40, 1\)"):
     _restore(directory, params=wider)
   extra = {**run.init_params(), "b2": np.zeros((1,), np.float32)}
   with pytest.raises(ValueError, match=r"\['b2'\]: not in the checkpoint"):
@@ -175,8 +240,24 @@ def test_hyperparameters_that_do_not_shape_the_state_are_not_checked(uninterrupt
   # element, so the state's structure does not depend on it) restores as is.
   tx = onebit_optax.onebit_adam(1e-3, axis_name="data", weight_decay=1e-4,
                                 freeze=onebit_optax.variance_ratio_freeze(**run.FREEZE))
-  _, opt_state, step = _restore(uninterrupted[0], tx=tx)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the same mesh layout: no reset, no warning
+    _, opt_state, step = _restore(uninterrupted[0], tx=tx)
   assert step == run.COMPRESSION_SAVE and bool(np.asarray(opt_state[0].frozen))
+
+
+def test_another_exact_threshold_re_lays_out_the_message(uninterrupted):
+  # exact_below=0 compresses b1 and w2 too: the wire layout (not the device
+  # count) changes, which moves the message like a new mesh does.
+  tx = onebit_optax.onebit_adam(3e-2, axis_name="data", exact_below=0,
+                                freeze=onebit_optax.variance_ratio_freeze(**run.FREEZE))
+  with pytest.warns(UserWarning, match="reset to zero"):
+    _, opt_state, _ = _restore(uninterrupted[0], tx=tx)
+  s = opt_state[0]
+  assert len(s.local_momentum) == 3 and not bool(s.feedback_valid)
+  assert all(not np.any(np.asarray(u)) for u in s.local_momentum)
+  saved = uninterrupted[1][run.COMPRESSION_SAVE]["opt_state[0].momentum_message"]
+  _assert_relaid(np.asarray(s.momentum_message), HIER, 8, saved, FLAT, 8)
 
 
 def test_missing_steps_and_foreign_checkpoints_are_refused(uninterrupted, tmp_path):
@@ -193,15 +274,47 @@ def test_missing_steps_and_foreign_checkpoints_are_refused(uninterrupted, tmp_pa
     _restore(str(tmp_path / "plain"))
 
 
+def _fake_record(directory, record, opt_state):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  with ocp.CheckpointManager(directory) as manager:
+    manager.save(3, args=ocp.args.Composite(
+        params=ocp.args.PyTreeSave(run.init_params()),
+        opt_state=ocp.args.PyTreeSave(opt_state),
+        onebit_optax=ocp.args.JsonSave(record)))
+    manager.wait_until_finished()
+
+
+def test_a_checkpoint_of_the_old_flat_layout_is_refused(tmp_path):
+  # What onebit-optax wrote before format 3: flat padded moments, leaf_sizes,
+  # flat error buffers, and a record without "onebit_format".
+  padded = _flat.padded(SIZES, 8)
+  old_state = {"mu": np.zeros(padded, np.float32), "nu": np.zeros(padded, np.float32),
+               "leaf_sizes": np.asarray(SIZES, np.int32),
+               "worker_error": np.zeros((8, padded), np.float32)}
+  _fake_record(str(tmp_path / "old"), {
+      "format": "onebit_optax.checkpoint/1", "step": 3, "num_devices": 8,
+      "padded_size": padded, "error_paths": ["[0].worker_error", "[0].server_error"],
+      "params": [], "opt_state_treedef": "", "opt_state": []}, old_state)
+  with pytest.raises(ValueError, match=r"older onebit-optax(.|\n)*mu and nu as one padded "
+                     r"vector(.|\n)*no conversion is offered(.|\n)*init_sharded") as info:
+    _restore(str(tmp_path / "old"))
+  assert "'onebit_optax.checkpoint/1'" in str(info.value)
+  _fake_record(str(tmp_path / "newer"), {"format": "onebit_optax.checkpoint/4",
+                                         "onebit_format": 4}, old_state)
+  with pytest.raises(ValueError, match="newer onebit-optax"):
+    _restore(str(tmp_path / "newer"))
+
+
 def test_a_state_without_the_sharded_layout_is_refused(tmp_path):
   tx = run.make_tx()
   params = run.init_params()
   mesh = jax.make_mesh((8,), ("data",))
   state = onebit_optax.init_sharded(tx, params, mesh)
   # What shard_map returns for out_specs=P() under check_vma=False: device 0's rows only.
-  device0 = (state[0]._replace(worker_error=np.asarray(state[0].worker_error)[:1],
-                               server_error=np.asarray(state[0].server_error)[:1]),
-             ) + tuple(state[1:])
+  s = state[0]
+  device0 = (s._replace(local_momentum=tuple(np.asarray(u)[:1] for u in s.local_momentum),
+                        worker_scale=np.asarray(s.worker_scale)[:1],
+                        server_error=np.asarray(s.server_error)[:1]),) + tuple(state[1:])
   with pytest.raises(ValueError, match="layout of onebit_optax.init_sharded"):
     onebit_optax.save_checkpoint(str(tmp_path), 1, params, device0)
   pmapped = jax.tree.map(lambda a: np.stack([np.asarray(a)] * 2), state)
@@ -209,20 +322,24 @@ def test_a_state_without_the_sharded_layout_is_refused(tmp_path):
     onebit_optax.save_checkpoint(str(tmp_path), 1, params, pmapped)
   with pytest.raises(ValueError, match="exactly one 1-bit Adam state"):
     onebit_optax.save_checkpoint(str(tmp_path), 1, params, optax.adam(1e-3).init(params))
+  assert not (tmp_path / "1").exists()
 
 
 def test_single_device_round_trip_and_restore_from_8_devices(uninterrupted, tmp_path):
   tx = onebit_optax.onebit_adam(1e-2, axis_name=None, freeze=2)
-  params = jnp.arange(5.0)
+  params = {"w": jnp.linspace(-1.0, 1.0, 300), "b": jnp.arange(3.0)}
   state = tx.init(params)
   update = jax.jit(tx.update)
   for _ in range(4):
-    updates, state = update(jnp.sin(params) + 0.1, state, params)
+    updates, state = update(jax.tree.map(lambda p: jnp.sin(p) + 0.1, params), state, params)
     params = optax.apply_updates(params, updates)
-  assert bool(onebit_optax.is_frozen(state)) and np.any(state[0].worker_error != 0)
+  s = state[0]
+  assert bool(onebit_optax.is_frozen(state)) and np.any(s.local_momentum[0] != 0)
+  assert s.server_error is None and s.worker_error is None  # 1 device: None fields
   onebit_optax.save_checkpoint(str(tmp_path), 4, params, state)
   new_params, new_state, _ = onebit_optax.restore_checkpoint(
-      str(tmp_path), tx, jnp.zeros(5), mesh=None)
+      str(tmp_path), tx, jax.tree.map(jnp.zeros_like, params), mesh=None)
+  assert new_state[0].server_error is None and new_state[0].worker_error is None
   _assert_bitwise(_leaves("", (new_params, new_state)), _leaves("", (params, state)))
 
   # Through the user's own CheckpointManager (its options apply: keep the last one).
@@ -237,18 +354,28 @@ def test_single_device_round_trip_and_restore_from_8_devices(uninterrupted, tmp_
   assert step == 2
   _assert_bitwise(_leaves("", (new_params, new_state)), _leaves("", (params, state)))
 
-  # The 8-device compression checkpoint on one device: errors reset, with a warning.
+  # The 8-device compression checkpoint on one device: per-device buffers reset,
+  # the message re-laid out, with a warning.
   tx1 = onebit_optax.onebit_adam(
       3e-2, axis_name=None, freeze=onebit_optax.variance_ratio_freeze(**run.FREEZE))
   with pytest.warns(UserWarning, match="saved on 8 devices and is restored onto 1"):
     _, state1, _ = onebit_optax.restore_checkpoint(
         uninterrupted[0], tx1, run.init_params(), mesh=None)
-  assert state1[0].worker_error.shape == (1, _flat.padded(SIZES, 1))
-  assert not np.any(state1[0].worker_error) and bool(state1[0].frozen)
+  s1 = state1[0]
+  assert s1.local_momentum[0].shape == (1, run.FEATURES, run.HIDDEN)
+  assert s1.server_error is None and s1.worker_error is None
+  assert not np.any(s1.local_momentum[0]) and not np.any(s1.worker_scale)
+  assert bool(s1.frozen) and not bool(s1.feedback_valid)
   saved = uninterrupted[1][run.COMPRESSION_SAVE]
-  for name in ("mu", "nu"):  # the moments move to the 1-device layout, leaf by leaf
-    np.testing.assert_array_equal(getattr(state1[0], name),
-                                  _flat.relayout(saved[f"opt_state[0].{name}"], SIZES, 1))
+  for key, value in _leaves("opt_state", state1).items():  # moments and phase: exact
+    if not _is(key, *PER_DEVICE, "momentum_message", "feedback_valid"):
+      assert value.tobytes() == saved[key].tobytes(), key
+  _assert_relaid(np.asarray(s1.momentum_message), FLAT, 1,
+                 saved["opt_state[0].momentum_message"], FLAT, 8)
+  # and it trains on: one compression step on one device.
+  updates, state1 = jax.jit(tx1.update)(run.init_params(), state1, run.init_params())
+  assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
+  assert bool(state1[0].feedback_valid) and np.any(state1[0].local_momentum[0])
 
 
 def _env(**extra):
@@ -259,7 +386,7 @@ def _env(**extra):
   return env
 
 
-def test_restore_onto_4_devices_keeps_all_but_the_errors(uninterrupted):
+def test_restore_onto_4_devices_keeps_all_but_the_per_device_buffers(uninterrupted):
   directory, snapshots, _, _ = uninterrupted
   proc = subprocess.run(
       [sys.executable, SCRIPT, "resize", "--ckpt", directory, "--out", directory,
@@ -267,7 +394,6 @@ def test_restore_onto_4_devices_keeps_all_but_the_errors(uninterrupted):
       cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
       env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"))
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  padded4 = _flat.padded(SIZES, 4)
   for step in (run.COMPRESSION_SAVE, run.WARMUP_SAVE):
     with open(os.path.join(directory, f"resize_{step}.json")) as f:
       info = json.load(f)
@@ -275,23 +401,27 @@ def test_restore_onto_4_devices_keeps_all_but_the_errors(uninterrupted):
       out = {k: f[k] for k in f.files}
     saved = snapshots[step]
     assert info["device_count"] == 4 and info["step"] == step
-    # mu, nu, phase, counters, variance-ratio fields and params: exactly the saved ones.
+    # mu, nu, nu_l1, phase, counters, variance-ratio fields and params: exactly the saved ones.
     for key, value in saved.items():
-      if key.endswith(ERRORS):
+      if _is(key, *PER_DEVICE, "momentum_message", "feedback_valid"):
         continue
-      restored = out["restored_" + key]
-      if key.endswith(MOMENTS):  # flat: the same leaves, laid out for 4 devices
-        assert restored.shape == (padded4,), key
-        assert restored.tobytes() == _flat.relayout(value, SIZES, 4).tobytes(), key
-        # and nothing was dropped: back on 8 devices it is the saved buffer.
-        assert _flat.relayout(restored, SIZES, 8).tobytes() == value.tobytes(), key
-        continue
-      assert restored.tobytes() == value.tobytes(), key
-    # The error buffers: reset, in the 4-device shapes.
-    assert out["restored_opt_state[0].worker_error"].shape == (4, padded4)
-    assert out["restored_opt_state[0].server_error"].shape == (4, padded4 // 4)
-    for key in ERRORS:
-      assert not np.any(out["restored_opt_state" + key])
+      assert out["restored_" + key].tobytes() == value.tobytes(), key
+    # The per-device buffers: reset, in the 4-device shapes.
+    assert out["restored_opt_state[0].local_momentum[0]"].shape == (4, run.FEATURES, run.HIDDEN)
+    assert out["restored_opt_state[0].worker_scale"].shape == (4, 1)
+    assert out["restored_opt_state[0].server_error"].shape == (4, 128)
+    assert not any(_is(key, "worker_error") for key in out)
+    for key, value in out.items():
+      if key.startswith("restored_") and _is(key, *PER_DEVICE):
+        assert not np.any(value), key
+    assert not out["restored_opt_state[0].feedback_valid"]
+    message = out["restored_opt_state[0].momentum_message"]
+    chunk_bytes, segments, exact_chunk = run.message_layout(SIZES, FLAT, 4)
+    assert message.shape == (4, chunk_bytes + 4 * (segments + exact_chunk))
+    if saved["opt_state[0].frozen"]:
+      _assert_relaid(message, FLAT, 4, saved["opt_state[0].momentum_message"], FLAT, 8)
+    else:  # never written in warmup: zeros, as on a fresh start
+      assert not np.any(message)
     # Training goes on exactly like the hand-built reference state.
     finals = {k[len("final_"):]: v for k, v in out.items() if k.startswith("final_")}
     refs = {k[len("ref_"):]: v for k, v in out.items() if k.startswith("ref_")}
@@ -301,14 +431,66 @@ def test_restore_onto_4_devices_keeps_all_but_the_errors(uninterrupted):
     assert np.all(np.isfinite(info["losses"]))
     if step == run.COMPRESSION_SAVE:
       assert finals["opt_state[0].freeze_step"] == 6
-      assert np.any(finals["opt_state[0].worker_error"])  # compression resumed
+      assert np.any(finals["opt_state[0].local_momentum[0]"])  # compression resumed
+      assert finals["opt_state[0].feedback_valid"]
       assert len(info["warnings"]) == 1, info["warnings"]
-      message = info["warnings"][0]
+      text = info["warnings"][0]
       for part in ("saved on 8 devices and is restored onto 4", "reset to zero",
-                   "mu, nu", "freeze_step=6", "count=9", f"(4, {padded4})"):
-        assert part in message, (part, message)
+                   "feedback_valid=False", "compressed again", "mu, nu, nu_l1",
+                   "freeze_step=6", "count=9", f"local_momentum ((4, 6, {run.HIDDEN}),)",
+                   "server_error (4, 128)", "worker_error None"):
+        assert part in text, (part, text)
     else:  # still warmup: the buffers were zero anyway, nothing lost, no warning.
       assert info["warnings"] == []
+
+
+def test_hierarchical_resume_and_moves_to_and_from_a_flat_mesh(hierarchical, uninterrupted):
+  directory, snapshots, final, _ = hierarchical
+  comp = snapshots[run.COMPRESSION_SAVE]
+  assert comp["opt_state[0].frozen"]
+  assert not any(_is(key, "local_momentum") for key in comp)  # None when hierarchical
+  padded = _flat.padded(SIZES, 8)
+  assert comp["opt_state[0].worker_error"].shape == (8, padded // 4)
+  assert np.any(comp["opt_state[0].worker_error"])
+  template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), run.init_params())
+  tx, mesh = _hier_tx(), jax.make_mesh((2, 4), AXES)
+  # The same mesh: bit for bit, to the end of the run.
+  params, opt_state, step = onebit_optax.restore_checkpoint(directory, tx, template, mesh, AXES)
+  _assert_bitwise({**_leaves("params", params), **_leaves("opt_state", opt_state)}, comp)
+  step_fn = run.make_step(tx, mesh, opt_state, AXES)
+  params, opt_state, _ = run.train(step_fn, mesh, params, opt_state, step, run.STEPS)
+  _assert_bitwise({**_leaves("params", params), **_leaves("opt_state", opt_state)}, final)
+
+  # Hierarchical -> flat on the same 8 devices.
+  flat_mesh = jax.make_mesh((8,), ("data",))
+  with pytest.warns(UserWarning, match="reset to zero"):
+    _, flat_state, _ = onebit_optax.restore_checkpoint(directory, run.make_tx(), template,
+                                                       flat_mesh)
+  s = flat_state[0]
+  assert s.worker_error is None and s.local_momentum[0].shape == (8, run.FEATURES, run.HIDDEN)
+  assert not np.any(np.asarray(s.local_momentum[0])) and not bool(s.feedback_valid)
+  np.testing.assert_array_equal(np.asarray(s.mu["w1"]), comp["opt_state[0].mu['w1']"])
+  _assert_relaid(np.asarray(s.momentum_message), FLAT, 8,
+                 comp["opt_state[0].momentum_message"], HIER, 8)
+
+  # Flat -> hierarchical: the flat run's compression checkpoint.
+  with pytest.warns(UserWarning, match="reset to zero"):
+    _, hier_state, _ = onebit_optax.restore_checkpoint(uninterrupted[0], tx, template, mesh,
+                                                       AXES)
+  s = hier_state[0]
+  assert s.local_momentum is None and s.worker_error.shape == (8, padded // 4)
+  assert not np.any(np.asarray(s.worker_error)) and not np.any(np.asarray(s.server_error))
+  flat_comp = uninterrupted[1][run.COMPRESSION_SAVE]
+  _assert_relaid(np.asarray(s.momentum_message), HIER, 8,
+                 flat_comp["opt_state[0].momentum_message"], FLAT, 8)
+  # and it trains on.
+  step_fn = run.make_step(tx, mesh, hier_state, AXES)
+  params = jax.device_put(
+      {name: flat_comp[f"params['{name}']"] for name in run.init_params()},
+      NamedSharding(mesh, P()))
+  params, hier_state, losses = run.train(step_fn, mesh, params, hier_state,
+                                         run.COMPRESSION_SAVE, run.STEPS)
+  assert np.all(np.isfinite(losses)) and np.any(np.asarray(hier_state[0].worker_error))
 
 
 def test_two_processes_resume_bitwise_after_a_kill(tmp_path):
@@ -336,5 +518,7 @@ def test_two_processes_resume_bitwise_after_a_kill(tmp_path):
       got, want = {k: a[k] for k in a.files}, {k: b[k] for k in b.files}
     _assert_bitwise(got, want)
     assert want["opt_state[0].count"] == run.STEPS
-    assert want["opt_state[0].worker_error"].shape == (1, _flat.padded(SIZES, 2))
-    assert np.any(want["opt_state[0].worker_error"])
+    # This process's own row of the per-device buffers.
+    assert want["opt_state[0].local_momentum[0]"].shape == (1, run.FEATURES, run.HIDDEN)
+    assert np.any(want["opt_state[0].local_momentum[0]"])
+    assert want["opt_state[0].server_error"].shape == (1, _flat.padded([SIZES[1]], 2) // 2)
