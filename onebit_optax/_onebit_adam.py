@@ -411,6 +411,23 @@ def _check_float_dtype(name, dtype):
   return dtype
 
 
+def _check_exact_below(exact_below) -> int:
+  """``exact_below`` as a Python int: it decides the state's layout, so it must be static."""
+  if exact_below is None:
+    return _layout.EXACT_BELOW
+  if isinstance(exact_below, jax.core.Tracer):
+    raise ValueError(
+        "scale_by_onebit_adam: exact_below is traced (optax.inject_hyperparams injects "
+        "numeric arguments); it decides the state's layout, so it must be static: pass "
+        "static_args=('exact_below',) to optax.inject_hyperparams.")
+  value = np.asarray(exact_below)
+  if value.ndim or not np.issubdtype(value.dtype, np.integer) or value < 0:
+    raise ValueError(
+        f"scale_by_onebit_adam: exact_below={exact_below!r} must be an int >= 0 (leaves "
+        "with fewer elements travel as float32; 0 compresses every leaf).")
+  return int(value)
+
+
 def _plan(tree, axis_name, model_axis, exact_below: int, caller: str) -> _Plan:
   axes = _collective.resolve_axes(axis_name, model_axis, caller=caller)
   # Hierarchical: every leaf is compressed (exact leaves travel only over a flat axis).
@@ -581,7 +598,7 @@ def scale_by_onebit_adam(
     moment_dtype: Any = None,
     error_dtype: Any = None,
     skip_nonfinite: bool = True,
-    exact_below: int = _layout.EXACT_BELOW,
+    exact_below: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Rescales local gradients by 1-bit Adam, averaging them across ``axis_name``.
 
@@ -688,8 +705,9 @@ def scale_by_onebit_adam(
     exact_below: leaves with fewer elements than this (a scalar gate, a bias of
       a few elements) travel as float32 inside the same two uint8 messages and
       are averaged exactly; 1 bit cannot carry them (a two-element leaf cycles
-      around its optimum). 0 compresses every leaf. Under hierarchical
-      averaging every leaf is compressed.
+      around its optimum). None: 64 (see ``benchmarks/wire_overhead.py``); 0
+      compresses every leaf. Under hierarchical averaging every leaf is
+      compressed.
 
   Returns:
     A :class:`optax.GradientTransformationExtraArgs`. ``init`` and ``update`` must
@@ -717,9 +735,7 @@ def scale_by_onebit_adam(
   moment_dtype = _check_float_dtype("moment_dtype", moment_dtype)
   error_dtype = _check_float_dtype("error_dtype", error_dtype)
   _collective.split_axes(axis_name)  # refuses a malformed tuple now, not at the first step
-  if isinstance(exact_below, bool) or not isinstance(exact_below, (int, np.integer)) or exact_below < 0:
-    raise ValueError(f"scale_by_onebit_adam: exact_below={exact_below!r} must be an int >= 0 "
-                     "(leaves with fewer elements travel as float32; 0 compresses every leaf).")
+  exact_below = _check_exact_below(exact_below)
   hp = _Hyper(b1, b2, eps, variance_floor, max_update, policy, skip_nonfinite, int(exact_below))
 
   def init_fn(params):
@@ -753,7 +769,7 @@ def onebit_adam(
     moment_dtype: Any = None,
     error_dtype: Any = None,
     skip_nonfinite: bool = True,
-    exact_below: int = _layout.EXACT_BELOW,
+    exact_below: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""1-bit Adam (Tang et al., 2021): Adam whose communication drops to 1 bit per element.
 
