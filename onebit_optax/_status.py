@@ -36,7 +36,7 @@ class Status(NamedTuple):
   skipped_steps: int  # steps skipped for non-finite gradients, in total.
   bytes_sent: float  # bytes this device has sent so far.
   adam_bytes: float  # bytes a float32 all-reduce of the gradients would have sent.
-  bytes_exact: bool  # False when bytes_sent or adam_bytes is an estimate (see notes).
+  bytes_exact: bool  # False when bytes_sent is an estimate (skipped steps of a run that froze).
   replicas_agree: bool  # the scalar fields are equal on every replica the state holds.
   policy: str  # the freeze policy the summary was computed for.
   reason: str  # why the run is not compressing yet ('' once frozen).
@@ -74,12 +74,38 @@ def _fmt_bytes(x: float) -> str:
 
 
 def _unwrap(x):
-  """The array inside a Flax NNX variable (``get_value``; ``.value`` is deprecated), else ``x``."""
-  if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+  """The array inside a Flax NNX variable (``get_value``; ``.value`` is deprecated), else ``x``.
+
+  Containers (the tree-shaped ``mu``/``nu``, the ``local_momentum`` tuple) and
+  ``None`` (a buffer the layout does not have) are returned as they are.
+  """
+  if x is None or isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool,
+                                 jax.ShapeDtypeStruct, dict, list, tuple)):
     return x
   if hasattr(x, "get_value"):
     return x.get_value()
-  return x[...] if hasattr(x, "__getitem__") else x
+  return x
+
+
+def _local_shape(x, stacked: bool) -> Optional[tuple]:
+  """The shape one device holds: a ``pmap`` row, or one shard of a sharded array; None if absent."""
+  x = _unwrap(x)
+  if x is None:
+    return None
+  shape = tuple(np.shape(x))
+  if stacked:
+    return shape[1:]
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None and hasattr(sharding, "shard_shape"):
+    return tuple(sharding.shard_shape(shape))
+  return shape
+
+
+def _leaves(tree) -> list:
+  """The arrays of a tree whose leaves may be NNX variables."""
+  return [_unwrap(x) for x in jax.tree.leaves(
+      tree, is_leaf=lambda x: not isinstance(x, (jax.Array, np.ndarray)) and hasattr(
+          x, "get_value"))]
 
 
 def _find(opt_state, kind) -> list:
@@ -196,37 +222,68 @@ def _policy_mismatch(policy, interval, step, frozen, freeze_step) -> Optional[st
 # ------------------------------------------------------------------ bytes on the wire
 
 
-def _bytes(fields, num_devices, num_params, padded):
+class _Wire(NamedTuple):
+  """The mesh and the per-step bytes of one device, read off the state's buffer shapes."""
+
+  n_slow: int  # devices the 1-bit messages cross (the slow axis; the only one for a flat mesh).
+  n_fast: int  # hierarchical: devices of the fast axis (float32 inside a node); else 1.
+  warmup: float  # bytes of one warmup step (an all-reduce of the gradients).
+  compression: float  # bytes of one compression step.
+  params: int  # parameters this device holds (its model shard with a model axis).
+
+
+def _wire(state, stacked: bool) -> _Wire:
+  """Reads the mesh off the layout (see ``scale_by_onebit_adam``'s state).
+
+  ``momentum_message`` is ``(n, row_bytes)`` on every device, ``n`` the data
+  devices; hierarchical averaging (``worker_error`` present) keeps a worker
+  error of ``padded // n_fast`` and a server error of ``padded // n`` elements,
+  so ``n_slow`` is their ratio (1 without a server error). The shapes are read
+  per device (a ``pmap`` row, a shard), so neither the leading device axis of
+  a ``pmap`` state nor a model axis is taken for part of the data mesh.
+  """
+  message = _local_shape(state.momentum_message, stacked)
+  n, row_bytes = int(message[-2]), int(message[-1])
+  worker, server = (_local_shape(e, stacked) for e in (state.worker_error, state.server_error))
+  params = int(sum(math.prod(_local_shape(v, stacked)) for v in _leaves(state.nu)))
+  if worker is None:  # flat: every device is a server
+    n_slow, n_fast, reduced = n, 1, params
+  else:
+    n_slow = 1 if server is None else int(worker[-1]) // int(server[-1])
+    n_fast, reduced = n // n_slow, int(worker[-1])  # the slow links carry 1/fast of the buffer
+  return _Wire(n_slow, n_fast, _collective.allreduce_wire_bytes(reduced, n_slow),
+               2.0 * (n_slow - 1) * row_bytes, params)
+
+
+def _bytes(fields, wire: _Wire, num_params: Optional[int]):
   """``(sent, adam, exact)``: bytes this device sent so far, Adam's, and whether both are exact.
 
   The state keeps only the last step's bytes; the rest follows from the phase
-  lengths. Warmup steps all-reduce the padded float32 buffer; Adam all-reduces
-  the ``num_params`` gradients (estimated by the padded length when not given).
+  lengths and the per-step bytes of each phase, which the layout fixes. Adam
+  all-reduces the ``num_params`` float32 gradients (hierarchical: their
+  ``1/n_fast`` slice over the slow axis, as 1-bit Adam's warmup does).
   """
-  step, frozen, freeze_step, skipped, wire = (
-      fields[k] for k in ("count", "frozen", "freeze_step", "skipped_steps", "wire_bytes"))
-  if num_devices == 1:
+  step, frozen, freeze_step, skipped = (
+      fields[k] for k in ("count", "frozen", "freeze_step", "skipped_steps"))
+  if wire.n_slow == 1:
     return 0.0, 0.0, True
   steps = step + skipped  # a skipped step still communicated.
-  exact = num_params is not None
-  adam = steps * _collective.allreduce_wire_bytes(
-      num_params if exact else padded, num_devices)
+  adam = steps * _collective.allreduce_wire_bytes(num_params / wire.n_fast, wire.n_slow)
   sent = fields.get("total_wire_bytes")
+  exact = True
   if sent is None and not frozen:
-    sent = steps * wire  # every step so far was the same all-reduce
+    sent = steps * wire.warmup  # every step so far was the same all-reduce
   elif sent is None:
-    # Skipped steps are charged at the current (1-bit) rate: their phase is not recorded.
-    sent = (freeze_step * _collective.allreduce_wire_bytes(padded, num_devices)
-            + (step - freeze_step + skipped) * wire)
-    exact = exact and skipped == 0
+    # The phase of a skipped step is not recorded: charged at the 1-bit rate.
+    sent = freeze_step * wire.warmup + (step - freeze_step + skipped) * wire.compression
+    exact = skipped == 0
   return float(sent), float(adam), exact
 
 
 def _num_params(params) -> Optional[int]:
   if params is None:
     return None
-  return int(sum(math.prod(np.shape(_unwrap(x)) if not hasattr(x, "shape") else x.shape)
-                 for x in jax.tree.leaves(params)))
+  return int(sum(math.prod(np.shape(x)) for x in _leaves(params)))
 
 
 # ------------------------------------------------------------------ the summary
@@ -260,9 +317,10 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
       axis on every field).
     freeze: the ``freeze=`` given to :func:`onebit_adam` (None: its default).
     b2: the ``b2`` given to :func:`onebit_adam` (sets the default interval).
-    params: the parameters 1-bit Adam optimizes (or their shapes). Needed for
-      Adam's exact byte count after the freeze; without it Adam's bytes are
-      estimated from the padded buffer length (``bytes_exact=False``).
+    params: optional, the parameters 1-bit Adam optimizes (or their shapes):
+      checked against the state (a note if they differ). Not needed for the
+      byte counts: the state's ``nu`` has the parameters' shapes, so Adam's
+      bytes are exact without it.
     previous: the status of an earlier call: the notes then say how many of the
       steps since were skipped (a run that diverged skips every step).
 
@@ -295,17 +353,15 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
 
   policy, b2, assumed = _policy_and_b2(opt_state, freeze, b2, stacked)
   interval = _interval(policy, b2)
-  worker, server = (np.shape(_unwrap(e)) for e in (state.worker_error, state.server_error))
-  # Hierarchical averaging: the worker error is a 1/fast slice of the padded
-  # buffer, and the bytes that count are the slow axis's (on that slice).
-  padded = int(np.prod(np.shape(_unwrap(state.mu))))
-  fast = padded // worker[-1]
-  num_devices = padded // server[-1] // fast
-  num_params = _num_params(params)
-  sent, adam, exact = _bytes(fields, num_devices,
-                             None if num_params is None else num_params / fast, worker[-1])
+  wire = _wire(state, stacked)
+  sent, adam, exact = _bytes(fields, wire, wire.params)
 
   notes = []
+  given = _num_params(params)
+  held = _num_params(state.nu) // (np.shape(_unwrap(state.count))[0] if stacked else 1)
+  if given is not None and given != held:
+    notes.append(f"params= has {given} elements but the state was made for {held}: pass the "
+                 "parameters this optimizer state belongs to")
   if assumed:
     notes.append("freeze policy not given: assumed onebit_adam's default "
                  "variance_ratio_freeze() with b2 = 0.999; pass freeze= and b2= to status")
@@ -318,9 +374,8 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
                  "axis_name=<the mapped axis>)")
   notes.extend(_skip_notes(step, skipped, previous))
   if not exact:
-    notes.append("bytes are estimates: pass params= for Adam's exact count"
-                 + ("; skipped steps after the freeze are charged at the 1-bit rate"
-                    if skipped and frozen else ""))
+    notes.append("bytes sent are an estimate: the skipped steps of a run that froze are "
+                 "charged at the 1-bit rate (the state does not record their phase)")
 
   next_check = None if frozen else _next_check(policy, interval, step)
   return Status(

@@ -146,28 +146,37 @@ def test_flax_nnx_optimizer_state():
 
 # --- bytes on the wire, under shard_map and pmap ----------------------------------------------
 
-def _shard_map_run(mesh, freeze, steps):
-  """Trains on 8 devices; returns the state and the bytes each step reported."""
-  params = _params()
-  tx = onebit_optax.onebit_adam(0.01, axis_name="data", freeze=freeze)
-  state = onebit_optax.init_sharded(tx, params, mesh)
-  specs = onebit_optax.state_partition_specs(state, "data")
+def _shard_map_run(mesh, freeze, steps, axis="data", params=None, nan_steps=()):
+  """Trains on 8 devices; returns the state and the bytes each step reported.
+
+  ``nan_steps``: the (0-based) steps whose gradients are NaN on device 0 (skipped).
+  """
+  params = _params() if params is None else params
+  tx = onebit_optax.onebit_adam(0.01, axis_name=axis, freeze=freeze)
+  state = onebit_optax.init_sharded(tx, params, mesh, axis)
+  specs = onebit_optax.state_partition_specs(state, axis)
 
   @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")),
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(axis), P()),
                      out_specs=(P(), specs))
-  def step(params, state, x):
-    loss = lambda p: jnp.sum((x @ p["w"] + p["b"][0]) ** 2)
-    grads = jax.grad(loss)(onebit_optax.local_params(params, "data"))
+  def step(params, state, x, poison):
+    def loss(p):
+      out = sum(jnp.sum(x[:, :v.shape[0]] @ v.reshape(v.shape[0], -1)) for v in p.values())
+      return out ** 2
+    grads = jax.grad(loss)(onebit_optax.local_params(params, axis))
+    first = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in
+                               ((axis,) if isinstance(axis, str) else axis)]))
+    grads = jax.tree.map(lambda g: jnp.where(first & poison, jnp.nan, g), grads)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  x = jax.device_put(jax.random.normal(jax.random.key(0), (N * 2, 37)),
-                     jax.sharding.NamedSharding(mesh, P("data")))
+  width = max(np.shape(v)[0] for v in params.values())
+  x = jax.device_put(0.01 * jax.random.normal(jax.random.key(0), (N * 2, width)),
+                     jax.sharding.NamedSharding(mesh, P(axis)))
   params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
   per_step = []
-  for _ in range(steps):
-    params, state = step(params, state, x)
+  for t in range(steps):
+    params, state = step(params, state, x, jnp.bool_(t in nan_steps))
     per_step.append(float(onebit_optax.wire_bytes(state)))
   return state, per_step
 
@@ -188,10 +197,44 @@ def test_bytes_after_the_freeze_under_shard_map(mesh):
   assert s.bytes_exact and s.replicas_agree
   assert s.bytes_sent == pytest.approx(sum(per_step))
   assert s.adam_bytes == pytest.approx(7 * _allreduce(37 + 5, N))
-  # Without params, Adam's bytes are an estimate and the summary says so.
-  estimate = status(state, 3)
-  assert not estimate.bytes_exact and "(estimate)" in str(estimate)
-  assert estimate.bytes_sent == pytest.approx(sum(per_step))
+  # A compression step sends 2 (n - 1) messages of row_bytes = momentum_message.shape[-1].
+  row_bytes = state[0].momentum_message.shape[-1]
+  assert per_step[3:] == [2 * (N - 1) * row_bytes] * 4
+  assert per_step[:3] == [_allreduce(37 + 5, N)] * 3
+  # The state holds the parameters' shapes (nu): params= is not needed for exact bytes.
+  alone = status(state, 3)
+  assert alone.bytes_exact and "(estimate)" not in str(alone)
+  assert (alone.bytes_sent, alone.adam_bytes) == (s.bytes_sent, s.adam_bytes)
+  # params= that do not belong to the state are pointed out.
+  other = status(state, 3, params={"w": jnp.zeros(10)})
+  assert any("params= has 10 elements but the state was made for 42" in n for n in other.notes)
+
+
+def test_bytes_with_compressed_leaves_and_skipped_steps(mesh):
+  params = {"w": jnp.linspace(-1.0, 1.0, 300).reshape(100, 3), "b": jnp.zeros(5)}
+  state, per_step = _shard_map_run(mesh, 2, 5, params=params)
+  s = status(state, 2)
+  assert s.bytes_exact and s.bytes_sent == pytest.approx(sum(per_step))
+  assert s.adam_bytes == pytest.approx(5 * _allreduce(305, N))
+  assert s.bytes_sent < s.adam_bytes  # 300 compressed elements: fewer bytes than Adam
+  # Steps skipped after the freeze: their phase is not recorded, so the total is an estimate.
+  state, per_step = _shard_map_run(mesh, 2, 6, params=params, nan_steps=(3, 5))
+  s = status(state, 2)
+  assert (s.step, s.skipped_steps, s.phase) == (4, 2, "compression")
+  assert s.bytes_sent == pytest.approx(sum(per_step))  # here they were compression steps
+  assert not s.bytes_exact and "(estimate)" in str(s)
+  assert any("charged at the 1-bit rate" in n for n in s.notes)
+
+
+def test_bytes_of_hierarchical_averaging():
+  mesh = jax.make_mesh((2, N // 2), ("node", "local"))
+  params = {"w": jnp.linspace(-1.0, 1.0, 300).reshape(100, 3), "b": jnp.zeros(5)}
+  state, per_step = _shard_map_run(mesh, 2, 4, axis=("node", "local"), params=params)
+  s = status(state, 2)
+  assert s.phase == "compression" and s.bytes_exact and s.replicas_agree
+  assert s.bytes_sent == pytest.approx(sum(per_step))
+  # Adam, as the warmup: the slow axis (2 nodes) carries 1/4 of the gradients.
+  assert s.adam_bytes == pytest.approx(4 * _allreduce(305 / 4, 2))
 
 
 def test_pmap_state_and_replicas_that_diverged():
@@ -200,6 +243,18 @@ def test_pmap_state_and_replicas_that_diverged():
   state = jax.pmap(tx.init, axis_name="data")(params)
   s = status(state, 2)
   assert s.step == 0 and s.replicas_agree and s.next_check == 2
+  # Bytes of a pmap run: the leading device axis is not a hierarchical fast axis.
+  grads = jax.tree.map(lambda x: x + jnp.arange(N, dtype=x.dtype).reshape(
+      (N,) + (1,) * (x.ndim - 1)), params)
+  update = jax.pmap(tx.update, axis_name="data")
+  per_step = []
+  for _ in range(4):
+    _, state = update(grads, state, params)
+    per_step.append(float(onebit_optax.wire_bytes(state)[0]))
+  s = status(state, 2)
+  assert (s.phase, s.step) == ("compression", 4) and s.replicas_agree and s.bytes_exact
+  assert s.bytes_sent == pytest.approx(sum(per_step))
+  assert s.adam_bytes == pytest.approx(4 * _allreduce(37 + 5, N))
   # A pmap-shaped state whose devices measured different variance ratios (what
   # devices that each run their own optimizer produce): the summary says so.
   per_device = [_state(count=4, variance_ratio=0.5 + 0.01 * i) for i in range(N)]
