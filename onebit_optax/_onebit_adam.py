@@ -259,21 +259,23 @@ def _hierarchical_exchange(hp: _Hyper, plan: _Plan, grads, state):
           avg.server_error[None].astype(state.server_error.dtype), avg.finite)
 
 
-def _mean_gradient(plan: _Plan, grads) -> list:
-  """The float32 mean of the gradient leaves over the data axis (one tuple all-reduce).
+def _gradient_sum(plan: _Plan, grads):
+  """The float32 sum of the gradient leaves over the data axis, and the factor that makes it the mean.
 
-  XLA's all-reduce combiner merges the per-leaf ``pmean`` into one collective.
-  Hierarchical: one flat vector, reduce-scattered over the fast axis so that
-  the slow links carry 1/fast of it (see :func:`_collective.full_precision_mean`).
+  One tuple all-reduce: XLA's all-reduce combiner merges the per-leaf ``psum``.
+  The ``1/n`` is left to the consumers, where it fuses (a ``pmean`` stored the
+  divided copy: one more parameter-sized buffer). Hierarchical: one flat vector,
+  reduce-scattered over the fast axis so that the slow links carry 1/fast of it
+  (see :func:`_collective.full_precision_mean`).
   """
   axes, leaves = plan.axes, [g.astype(F32) for g in grads]
   if axes.slow is None:
-    return leaves
+    return leaves, 1.0
   if not axes.hierarchical:
-    return jax.lax.pmean(leaves, axes.slow)
+    return jax.lax.psum(leaves, axes.slow), 1.0 / axes.n_slow
   bits = plan.layout.bits
   flat = _collective.full_precision_mean(bits.flatten(leaves), axes.data)
-  return jax.tree.leaves(bits.unflatten(flat, jax.tree.structure(leaves)))
+  return jax.tree.leaves(bits.unflatten(flat, jax.tree.structure(leaves))), 1.0
 
 
 def _warmup(hp: _Hyper, plan: _Plan, grads, state, count) -> _Moments:
@@ -284,11 +286,11 @@ def _warmup(hp: _Hyper, plan: _Plan, grads, state, count) -> _Moments:
   ``nu``: reductions of stored buffers, which XLA:CPU runs without storing a
   computed copy (a reduction of a computed value, e.g. the squares, stored it).
   """
-  mean = _mean_gradient(plan, grads)
-  sums = jnp.stack([jnp.sum(m) for m in mean])
+  total, scale = _gradient_sum(plan, grads)
+  sums = jnp.stack([jnp.sum(m) for m in total])
   finite = (_collective._all_true(jnp.all(jnp.isfinite(sums)), plan.axes.model)
             if hp.skip_nonfinite else jnp.bool_(True))
-  mu, nu = _adam_moments(hp, mean, state, finite)
+  mu, nu = _adam_moments(hp, total, scale, state, finite)
   nu_l1 = jnp.stack([jnp.sum(v.astype(F32)) for v in nu])
   l1 = jnp.sum(nu_l1)
   if plan.axes.model is not None:  # the whole model's norm, so every shard freezes together
@@ -307,13 +309,13 @@ def _no_moments(state) -> _Moments:
                   state.reference_l1, jnp.float32(0))
 
 
-def _adam_moments(hp: _Hyper, mean: list, state, finite):
-  """Adam's moments of the mean gradient, leaf by leaf (kept on a skipped step)."""
+def _adam_moments(hp: _Hyper, total: list, scale, state, finite):
+  """Adam's moments of the mean gradient ``total * scale``, leaf by leaf (kept on a skipped step)."""
   mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-  new_mu = [jnp.where(finite, hp.b1 * m.astype(F32) + (1.0 - hp.b1) * g, m).astype(m.dtype)
-            for m, g in zip(mus, mean)]
-  new_nu = [jnp.where(finite, hp.b2 * v.astype(F32) + (1.0 - hp.b2) * jnp.square(g), v)
-            .astype(v.dtype) for v, g in zip(nus, mean)]
+  new_mu = [jnp.where(finite, hp.b1 * m.astype(F32) + (1.0 - hp.b1) * (g * scale), m)
+            .astype(m.dtype) for m, g in zip(mus, total)]
+  new_nu = [jnp.where(finite, hp.b2 * v.astype(F32) + (1.0 - hp.b2) * jnp.square(g * scale), v)
+            .astype(v.dtype) for v, g in zip(nus, total)]
   return new_mu, new_nu
 
 

@@ -297,38 +297,41 @@ def _structured_collectives(compiled) -> Optional[list[tuple[str, str, str]]]:
 class PhaseCollectives:
   """The collectives of a training step, split by the 1-bit Adam phase switch."""
 
-  conditional: Instruction
+  conditional: Instruction  # the conditional whose branch holds the all-to-all.
+  conditionals: list[Instruction]  # every conditional whose branches communicate.
   warmup: list[Instruction]
   compression: list[Instruction]
   outside: list[Instruction]  # forward, backward and anything else outside the switch.
 
 
 def split_by_phase(module: HloModule) -> PhaseCollectives:
-  """Finds the phase switch (the conditional whose branches communicate) and splits.
+  """Finds the phase switch (the conditionals whose branches communicate) and splits.
 
-  The compression branch is the one holding an all-to-all; the other is warmup.
+  The switch is a few conditionals on the same phase flag (each with one kind
+  of full-size result, see onebit_optax._onebit_adam._switch); the compression
+  collectives are those of the one branch holding an all-to-all, the warmup's
+  those of the other communicating branches.
   """
   switches = []
   for cond in module.conditionals():
     per_branch = [module.collectives(module.reachable([b])) for b in cond.called]
     if any(per_branch):
       switches.append((cond, per_branch))
-  if len(switches) != 1:
-    raise AssertionError(
-        f"expected one conditional with collectives in its branches, found {len(switches)}: "
-        f"{[c.name for c, _ in switches]}")
-  cond, per_branch = switches[0]
-  if len(per_branch) != 2:
-    raise AssertionError(f"the phase switch {cond.name} has {len(per_branch)} branches, not 2")
-  with_a2a = [i for i, cs in enumerate(per_branch) if any(c.collective == "all-to-all" for c in cs)]
+  with_a2a = [(cond, i) for cond, per_branch in switches for i, cs in enumerate(per_branch)
+              if any(c.collective == "all-to-all" for c in cs)]
   if len(with_a2a) != 1:
     raise AssertionError(
-        f"expected exactly one branch with an all-to-all, got branches {with_a2a}: "
-        f"{[[str(c) for c in cs] for cs in per_branch]}")
-  compression = per_branch[with_a2a[0]]
-  warmup = per_branch[1 - with_a2a[0]]
-  outside = module.collectives(module.reachable([module.entry], skip=[cond.name]))
-  return PhaseCollectives(cond, warmup, compression, outside)
+        f"expected exactly one branch with an all-to-all, got {len(with_a2a)} among the "
+        f"conditionals {[c.name for c, _ in switches]}")
+  (switch, index), compression, warmup = with_a2a[0], [], []
+  for cond, per_branch in switches:
+    if len(per_branch) != 2:
+      raise AssertionError(f"the conditional {cond.name} has {len(per_branch)} branches, not 2")
+    for i, collectives in enumerate(per_branch):
+      (compression if (cond is switch and i == index) else warmup).extend(collectives)
+  outside = module.collectives(
+      module.reachable([module.entry], skip=[cond.name for cond, _ in switches]))
+  return PhaseCollectives(switch, [c for c, _ in switches], warmup, compression, outside)
 
 
 def total_wire_bytes(collectives: Iterable[Instruction], n: Optional[int] = None) -> float:

@@ -128,9 +128,11 @@ def test_parabola(opt_name):
 
 @pytest.mark.parametrize("opt_name", [
     pytest.param("freeze100", marks=pytest.mark.xfail(strict=True, reason=(
-        "lr=0.1: from the freeze on, the 1-bit momentum of 2 coordinates settles into a "
-        "period-2 cycle around (0.94, 0.87), steps of about +-0.015 alternating in sign "
-        "(core v2 58fab99, jax 0.10.2)"))),
+        "lr=0.1, frozen at step 100: the frozen-variance momentum itself is slow in "
+        "Rosenbrock's valley, not the compression: the 2-element leaf now travels exact "
+        "(float32, no 1-bit cycle) and ends at (0.868, 0.749) after 10000 steps; a float64 "
+        "numpy run of the same frozen-variance rule ends at (0.760, 0.585), the same rule "
+        "with the leaf in 1 bit (exact_below=0) at (0.944, 0.870) (core v3, jax 0.10.2)"))),
     "default",
 ])
 def test_rosenbrock(opt_name):
@@ -209,8 +211,14 @@ def _inject_case(opt_name, phase, **kw):
   inner = new_injected.inner_state
   assert jax.tree.structure(inner) == jax.tree.structure(new_state)
   # atol: the traced hyperparameters round differently in the last bit, which the
-  # compression error buffers (values around 1e-8) show.
+  # compression error buffers (values around 1e-8) show. The momentum message is
+  # packed bytes (a float's bytes differ wholesale for a last-bit change): it is
+  # compared decoded, as the moments.
   for a, b in zip(jax.tree.leaves(inner), jax.tree.leaves(new_state)):
+    if np.asarray(a).dtype != np.uint8:
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(onebit_optax.moments(new_injected, params)),
+                  jax.tree.leaves(onebit_optax.moments(new_state, params))):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
