@@ -135,8 +135,9 @@ def check_state_layout(state, axis_name: Optional[Hashable], num_devices: int,
   rows = state.worker_scale.shape[0] if np.ndim(state.worker_scale) == 2 else 1
   if num_devices > 1 and rows == num_devices:
     raise ValueError(
-        f"{caller}: the per-device buffers arrive whole on every device (worker_scale "
-        f"has shape {state.worker_scale.shape}, one row per device), so the state's "
+        f"{caller}: the per-device buffers (local_momentum, worker_scale, worker_error, "
+        f"server_error) arrive whole on every device (worker_scale has shape "
+        f"{state.worker_scale.shape}, one row per device), so the state's "
         f"in_specs gave them P(). Shard them with P({axis_name!r}) and everything else "
         f"with P(), which is what {specs} returns; use it as the state's in_specs and "
         "out_specs.")

@@ -99,7 +99,19 @@ def test_gradient_shape_differs_from_state_shape():
   state = tx.init(params)
   with pytest.raises(ValueError) as excinfo:
     tx.update({"w": jnp.ones(4)}, state, params)
-  _assert_words(excinfo, "sizes [4]", "sizes [3]", "Did the model change")
+  _assert_words(excinfo, "['w']: (4,)", "['w']: (3,)", "model changed", "re-init")
+
+
+def test_gradient_tree_differs_from_state_tree():
+  params = {"w": jnp.ones(3), "b": jnp.ones(2)}
+  tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
+  state = tx.init(params)
+  with pytest.raises(ValueError) as excinfo:
+    tx.update({"w": jnp.ones(3), "c": jnp.ones(2)}, state, params)
+  _assert_words(excinfo, "['c']", "['b']", "same keys", "re-init")
+  with pytest.raises(ValueError) as excinfo:  # transposed: same size, other shape
+    tx.update({"w": jnp.ones((3, 1)), "b": jnp.ones(2)}, state, params)
+  _assert_words(excinfo, "(3, 1)", "not transposed")
 
 
 def test_gradient_shape_change_is_caught_under_jit_too():
@@ -132,9 +144,13 @@ def test_state_made_for_another_device_count(mesh):
   g = jax.device_put(jnp.ones(64 * N), NamedSharding(mesh, P("data")))
   with pytest.raises(ValueError) as excinfo:
     jax.eval_shape(step, g, state)
-  # The leaf sizes match (checked first), so the buffers' lengths can only differ by
-  # the device count: the message must name it.
-  _assert_words(excinfo, "device count", "re-init", "state_partition_specs", "(1, 1024)")
+  # The leaf shapes match (checked first), so the buffers can only differ by the device
+  # count: the message must name it, and show the shapes found and needed.
+  row_bytes = _flat.onebit_row_bytes([64], N)
+  assert row_bytes == _flat.onebit_row_bytes([64], 1)  # the message rows alone cannot tell
+  _assert_words(excinfo, "device count", "re-init", "state_partition_specs", "on 8 devices",
+                f"'momentum_message': (1, {row_bytes})", f"'momentum_message': (8, {row_bytes})",
+                "'server_error': None", "'server_error': (1, ")
 
 
 def test_accessors_on_a_state_without_onebit_adam():
@@ -206,12 +222,12 @@ K = 3  # warmup steps.
 STEPS = 40
 
 
-def _train_on_8(mesh, params, targets, lr=0.05):
+def _train_on_8(mesh, params, targets, lr=0.05, **options):
   """STEPS steps of onebit_adam on 8 devices for sum_i 0.5 ||p - targets_i||^2 / 8.
 
   Returns the parameters after every step (replicated) and the final state.
   """
-  tx = onebit_optax.onebit_adam(lr, axis_name="data", freeze=K)
+  tx = onebit_optax.onebit_adam(lr, axis_name="data", freeze=K, **options)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   opt_state = onebit_optax.init_sharded(tx, params, mesh)
   specs = onebit_optax.state_partition_specs(opt_state, "data")
@@ -270,23 +286,36 @@ def _check_training(params, targets, history, state):
   assert end < 0.8 * distance(K - 1), (distance(K - 1), end)
 
 
-def test_size_not_divisible_by_8n_is_padded(mesh):
-  params = {"w": jnp.zeros((13,), jnp.float32)}  # 13 is not a multiple of 8 * 8 = 64
+@pytest.mark.parametrize("exact_below", [0, None])
+def test_size_not_divisible_by_8n_is_padded(mesh, exact_below):
+  # 13 is not a multiple of 8 * 8 = 64. exact_below=0: the leaf is compressed, its bits
+  # padded on the wire; None (64): the leaf travels as float32, padded to 8 chunks of 2.
+  params = {"w": jnp.zeros((13,), jnp.float32)}
   rng = np.random.default_rng(0)
   targets = {"w": jnp.asarray(rng.standard_normal((N, 13)), jnp.float32)}
-  history, state = _train_on_8(mesh, params, targets)
-  # One block of 128 for the leaf, the buffer padded to 8 chunks of whole blocks.
-  padded = _flat.padded([13], N)
-  assert padded == 8 * 128
-  assert state[0].mu.shape == state[0].nu.shape == (padded,)
-  assert state[0].worker_error.shape == (N, padded)
-  assert state[0].server_error.shape == (N, padded // N)
-  # The padding holds exactly zero in every buffer (it must not leak into a step).
-  # (server_error's rows are the chunks, in order: flattened, it is laid out like mu.)
-  server = np.asarray(state[0].server_error).reshape(-1)
-  for buffer in (state[0].mu, state[0].nu, state[0].worker_error, server):
-    assert not np.any(np.asarray(buffer)[..., 13:]), buffer.shape
-  assert np.any(np.asarray(state[0].worker_error)[:, :13])  # compression did run
+  history, state = _train_on_8(mesh, params, targets, exact_below=exact_below)
+  s = state[0]
+  compressed = exact_below == 0
+  # The moments are shaped like the parameters: no padding in them.
+  assert s.mu["w"].shape == s.nu["w"].shape == (13,)
+  assert s.momentum_message.shape == (N, _flat.onebit_row_bytes(
+      [13], N, 0 if compressed else _flat.EXACT_BELOW))
+  bits = _flat.Bits([13] if compressed else [], N)
+  assert s.server_error.shape == (N, bits.chunk)
+  if compressed:
+    # One block of 128 for the leaf, the stream padded to 8 chunks of whole blocks.
+    assert bits.padded == 8 * 128
+    assert len(s.local_momentum) == 1 and s.local_momentum[0].shape == (N, 13)
+    assert s.worker_scale.shape == (N, 1)
+    assert np.any(np.asarray(s.local_momentum[0]))  # compression did run
+  else:
+    assert s.local_momentum == () and s.worker_scale.shape == (N, 0)
+  # The padding of the server error holds exactly zero (it must not leak into a step);
+  # its rows are the chunks, in order: flattened, it is laid out like the bit stream.
+  server = np.asarray(s.server_error).reshape(-1)
+  assert not np.any(server[13 if compressed else 0:])
+  if compressed:
+    assert np.any(server[:13])  # the server phase ran on the real elements
   _check_training(params, targets, history, state)
 
 

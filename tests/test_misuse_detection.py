@@ -259,4 +259,5 @@ def test_whole_state_replicated_with_p_in_a_shard_map_step(mesh):
   specs = jax.tree.map(lambda _: P(), state)  # P() for the whole state
   with pytest.raises(ValueError) as excinfo:
     _shard_map_step(tx, mesh, specs)(_params(), state, _batch(mesh))
-  _assert_words(excinfo, "worker_error", "P('data')", "state_partition_specs(state, 'data')")
+  _assert_words(excinfo, "local_momentum", "worker_scale has shape (8, ", "P('data')",
+                "state_partition_specs(state, 'data')")
