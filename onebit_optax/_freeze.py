@@ -301,3 +301,17 @@ def freeze_decision(policy: FreezePolicy, count, nu_hat_l1, reference_l1, ratio,
     if policy.max_steps is not None:
       freeze_now = freeze_now | (count >= policy.max_steps)
   return freeze_now, new_reference, new_ratio
+
+
+def reads_norm(policy: FreezePolicy, count, b2) -> jax.Array:
+  """Whether warmup step ``count`` needs :math:`\lVert v \rVert_1`: a check, or a step where the policy may fire.
+
+  Elsewhere the norm is not read (the ratio is measured only at checks), so
+  the optimizer skips its pass over ``nu``.
+  """
+  need = (count % policy_interval(policy, b2)) == 0
+  if isinstance(policy, FixedStepFreeze):
+    return need | (count >= policy.step)
+  if policy.max_steps is not None:
+    return need | (count >= policy.max_steps)
+  return need

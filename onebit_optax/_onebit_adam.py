@@ -57,7 +57,7 @@ class ScaleByOnebitAdamState(NamedTuple):
   count: jax.Array  # shape=(), dtype=int32: optimizer steps taken.
   mu: Any  # tree like params, dtype=moment_dtype: Adam's first moment (replicated); its freeze value afterwards.
   nu: Any  # tree like params, dtype=moment_dtype: second moment, raw (no bias correction); frozen after the switch.
-  nu_l1: jax.Array  # shape=(num_leaves,), dtype=float32: sum of nu over each leaf (freeze rule, floor).
+  nu_l1: jax.Array  # shape=(num_leaves,), dtype=float32: sum of nu over each leaf at the last check (freeze rule, floor).
   local_momentum: Any  # tuple, per compressed leaf: shape=(1, *leaf shape), dtype=error_dtype, per device; None when hierarchical.
   worker_scale: jax.Array  # shape=(1, compressed leaves), dtype=float32, per device: the scale of each leaf of local_momentum.
   feedback_valid: jax.Array  # shape=(), dtype=bool: the error feedback of local_momentum applies (False after a skipped step).
@@ -291,7 +291,11 @@ def _warmup(hp: _Hyper, plan: _Plan, grads, state, count) -> _Moments:
   finite = (_collective._all_true(jnp.all(jnp.isfinite(sums)), plan.axes.model)
             if hp.skip_nonfinite else jnp.bool_(True))
   mu, nu = _adam_moments(hp, total, scale, state, finite)
-  nu_l1 = jnp.stack([jnp.sum(v.astype(F32)) for v in nu])
+  # Only where the freeze rule reads it (a check, or where it may fire and the
+  # floor needs it): elsewhere this pass over nu would be wasted.
+  nu_l1 = jax.lax.cond(_freeze.reads_norm(hp.policy, count, hp.b2),
+                       lambda: jnp.stack([jnp.sum(v.astype(F32)) for v in nu]),
+                       lambda: state.nu_l1)
   l1 = jnp.sum(nu_l1)
   if plan.axes.model is not None:  # the whole model's norm, so every shard freezes together
     l1 = jax.lax.psum(l1, plan.axes.model)
