@@ -72,3 +72,71 @@ def leaves(flat, shapes):
   sizes = [int(np.prod(s)) for s in shapes]
   return [flat[offset:offset + size].reshape(shape)
           for offset, size, shape in zip(offsets(sizes), sizes, shapes)]
+
+
+# ----------------------------------------------------------------------------
+# Core v3: the wire layout of 1-bit Adam (compressed and exact leaves).
+
+EXACT_BELOW = 64  # leaves with 0 < size < 64 travel as float32, averaged exactly
+
+
+class Bits:
+  """The bit stream of the compressed leaves (these sizes, in order) on n chunks, in numpy.
+
+  ``owner[j]``: index of the leaf whose real element sits at stream position
+  ``j`` (-1: padding, inside a leaf's last block or in the tail).
+  ``segments[r]``: chunk ``r``'s segments in order, each ``(leaf or -1, positions
+  within the chunk)``: a maximal run of blocks of one leaf (or of the tail
+  padding). ``S``: scale slots per chunk (the most segments any chunk has).
+  """
+
+  def __init__(self, sizes, n):
+    self.sizes, self.n = [int(s) for s in sizes], int(n)
+    self.offsets = offsets(self.sizes)
+    self.padded = padded(self.sizes, self.n)
+    self.chunk = self.padded // self.n
+    self.owner = np.full(self.padded, -1)
+    for leaf, (offset, size) in enumerate(zip(self.offsets, self.sizes)):
+      self.owner[offset:offset + size] = leaf
+    self.real = self.owner >= 0
+    block_owner = np.full(self.padded // BLOCK, -1)
+    block_owner[:len(_blocks(self.sizes))] = _blocks(self.sizes)
+    per_chunk = self.chunk // BLOCK
+    self.segments = []
+    for r in range(self.n):
+      owners = block_owner[r * per_chunk:(r + 1) * per_chunk]
+      runs, start = [], 0
+      for b in range(1, per_chunk + 1):
+        if b == per_chunk or owners[b] != owners[start]:
+          runs.append((int(owners[start]), np.arange(start * BLOCK, b * BLOCK)))
+          start = b
+      self.segments.append(runs)
+    self.S = max(len(s) for s in self.segments)
+
+  def chunk_real(self, r):
+    return self.real[r * self.chunk:(r + 1) * self.chunk]
+
+
+def split(leaf_sizes, exact_below=EXACT_BELOW):
+  """(compressed, exact): indices of the leaves sent as sign bits and as float32."""
+  sizes = [int(s) for s in leaf_sizes]
+  return ([i for i, s in enumerate(sizes) if s >= max(exact_below, 1)],
+          [i for i, s in enumerate(sizes) if 0 < s < exact_below])
+
+
+def onebit_row_bytes(leaf_sizes, n, exact_below=EXACT_BELOW):
+  """Bytes of one message: chunk/8 packed signs + 4 S scales + 4 * ceil(exact elements / n)."""
+  compressed, exact = split(leaf_sizes, exact_below)
+  bits = Bits([leaf_sizes[i] for i in compressed], n)
+  exact_chunk = -(-sum(int(leaf_sizes[i]) for i in exact) // n)
+  return bits.chunk // 8 + 4 * (bits.S + exact_chunk)
+
+
+def onebit_compressed_bytes(leaf_sizes, n, exact_below=EXACT_BELOW):
+  """Bytes one device sends in a compression step of 1-bit Adam (flat mesh): 2 (n-1) row_bytes."""
+  return 2.0 * (n - 1) * onebit_row_bytes(leaf_sizes, n, exact_below)
+
+
+def onebit_warmup_bytes(leaf_sizes, n):
+  """Bytes one device sends in a warmup step (flat mesh): ring all-reduce of the real elements."""
+  return 2.0 * (n - 1) / n * sum(int(s) for s in leaf_sizes) * 4
