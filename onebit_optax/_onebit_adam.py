@@ -48,7 +48,7 @@ class ScaleByOnebitAdamState(NamedTuple):
     >>> import jax.numpy as jnp, onebit_optax
     >>> state = onebit_optax.scale_by_onebit_adam(axis_name=None).init({'w': jnp.ones(300)})
     >>> state.mu['w'].shape, state.local_momentum[0].shape, state.momentum_message.shape
-    ((300,), (1, 300), (1, 60))
+    ((300,), (1, 300), (1, 52))
 
   References:
     Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, ICML 2021, Algorithm 1.
@@ -609,9 +609,12 @@ def scale_by_onebit_adam(
   r"""Rescales local gradients by 1-bit Adam, averaging them across ``axis_name``.
 
   Feed it each device's *local* gradient :math:`g_i`; it does the communication.
-  All leaves live in one flat buffer (one flatten of the gradients, flat math,
-  one unravel of the update), so a step has the same collectives for 2 leaves
-  or 2000.
+  The state is shaped like the parameters and the full-size work runs leaf by
+  leaf, elementwise, in place; only what goes on the wire is fused: the packed
+  sign bits and the scales of all leaves (1/32 of the float32 bytes) in one
+  uint8 message, so a step has the same collectives for 2 leaves or 2000.
+  Leaves smaller than ``exact_below`` travel as float32 inside the same
+  messages and are averaged exactly.
 
   **Warmup** (until the freeze policy fires at step :math:`T_0`): exactly
   :func:`optax.scale_by_adam` applied to the mean gradient
@@ -638,7 +641,8 @@ def scale_by_onebit_adam(
 
   **Compression** (:math:`t > T_0`): each device updates the momentum with its
   local gradient and the momenta are averaged by the error-compensated 1-bit
-  :func:`compressed_mean` (one scale per leaf, about 1/32 of the bytes):
+  mean (one scale per leaf piece, about 1/32 of the bytes; the mean
+  momentum is kept as the message itself, signs and scales):
 
   .. math::
 
@@ -658,15 +662,18 @@ def scale_by_onebit_adam(
   :math:`1/\sqrt{f\,\overline{\hat v}_\ell}` relative to the coordinate's own leaf, which
   cost no loss in our measurements (``benchmarks/bounded_update.py``); the clip
   guarantees that no coordinate steps further than Adam could, whatever the
-  gradients do after the freeze. The switch is one ``lax.cond`` on the
-  replicated ``frozen`` flag, so only the taken branch communicates and all
-  devices take the same branch.
+  gradients do after the freeze. The switch is a few ``lax.cond`` on the
+  replicated ``frozen`` flag (see ``_switch``), so only the taken branch
+  communicates and all devices take the same branch.
 
   **Non-finite gradients**: if any device's gradient holds a NaN or Inf, the
   averaged gradient (warmup) or the averaged momentum (compression) is
   non-finite on *every* device, because each device's contribution reaches all
   of them. The step is then skipped on all devices together: zero updates, and
-  the state is left as it was except ``skipped_steps`` (+1) and ``wire_bytes``.
+  the state is left as it was except ``skipped_steps`` (+1) and ``wire_bytes``;
+  in the compression phase each device's ``local_momentum`` already holds the
+  skipped step's momentum, so its error feedback is dropped
+  (``feedback_valid`` False; the next step sends its momentum without it).
   The predicate is read off the replicated result, so it needs no extra
   collective and cannot differ across devices (no deadlock).
 

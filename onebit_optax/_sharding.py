@@ -65,7 +65,7 @@ def model_replicated(new_params, params, model_axis: Hashable):
   """Types the leaves that ``params`` holds replicated over ``model_axis`` as replicated again.
 
   With model-parallel parameters the optimizer runs on each device's local
-  shards, all leaves in one flat buffer that differs across ``model_axis``. So
+  shards, shaped like them, which differ across ``model_axis``. So
   under ``check_vma`` its updates, and ``optax.apply_updates(params, updates)``,
   are typed as varying over ``model_axis`` even for the leaves every model shard
   holds whole (biases after a row-parallel layer, LayerNorm scales): their values
@@ -325,9 +325,9 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data", *,
     >>> import jax, jax.numpy as jnp, onebit_optax
     >>> mesh = jax.make_mesh((1,), ('data',))
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
-    >>> state = onebit_optax.init_sharded(tx, {'w': jnp.ones(3)}, mesh)
+    >>> state = onebit_optax.init_sharded(tx, {'w': jnp.ones(300)}, mesh)
     >>> state[0].local_momentum[0].shape  # (devices, *leaf shape): one per device
-    (1, 3)
+    (1, 300)
 
     A (data, model) mesh with a column-sharded matrix (on 1 × 1 devices here):
 
@@ -337,7 +337,7 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data", *,
     ...     tx, {'w': jnp.ones((4, 6))}, mesh, 'data',
     ...     param_specs={'w': P(None, 'model')}, model_axis='model')
     >>> state[0].mu['w'].sharding.spec, state[0].worker_scale.sharding.spec[0]
-    (PartitionSpec(None, 'model'), ('data', 'model'))
+    (P(None, 'model'), ('data', 'model'))
 
   References:
     `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
