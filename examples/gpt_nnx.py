@@ -24,8 +24,8 @@ Three things make 1-bit Adam work with NNX (see ``build_steps``):
 1. ``nnx.Optimizer`` calls ``tx.init`` in its constructor, and 1-bit Adam's
    ``init`` needs the mesh axis (its error buffers depend on the device count).
    So the optimizer is *constructed inside* ``nnx.shard_map``, whose
-   ``out_specs`` shard the two per-device error buffers over ``data`` and
-   replicate the rest (what ``onebit_optax.state_partition_specs`` says for a
+   ``out_specs`` shard the per-device buffers (``local_momentum``,
+   ``worker_scale``, the error buffers) over ``data`` and replicate the rest (what ``onebit_optax.state_partition_specs`` says for a
    plain optax state).
 2. The gradient must be *local*. ``nnx.grad`` of the replicated model inside
    ``shard_map`` would all-reduce the gradient in float32 in the backward pass.
@@ -176,11 +176,15 @@ def make_optimizer(args):
                                   mask=decay_mask, axis_name=AXIS, freeze=freeze)
 
 
-# The two per-device leaves of a 1-bit Adam state (the error buffers) are
-# sharded over the data axis; everything else is replicated. For a plain optax
-# state, onebit_optax.state_partition_specs(opt_state, AXIS) gives this; an
+# The per-device leaves of a 1-bit Adam state (local_momentum, one entry per
+# compressed leaf, its worker_scale, and the error buffers) are sharded over
+# the data axis; everything else (the moments mu and nu, the momentum message,
+# the counters) is replicated. For a plain optax state,
+# onebit_optax.state_partition_specs(opt_state, AXIS) gives this; an
 # nnx.Optimizer's state is an nnx.State, which NNX shards with filters.
 OPTIMIZER_SPECS = nnx.StateSharding({
+    nnx.PathContains("local_momentum"): P(AXIS),
+    nnx.PathContains("worker_scale"): P(AXIS),
     nnx.PathContains("worker_error"): P(AXIS),
     nnx.PathContains("server_error"): P(AXIS),
     ...: P(),

@@ -147,7 +147,7 @@ def test_inject_hyperparams_with_schedule_compiles_once(mesh, freeze):
     # The learning rate used by step t.
     np.testing.assert_allclose(state.hyperparams["learning_rate"], SCHEDULE(t - 1), rtol=1e-6)
     if t > K:
-      assert float(onebit_optax.wire_bytes(state)) == _flat.compressed_bytes(SIZES, N)
+      assert float(onebit_optax.wire_bytes(state)) == _flat.onebit_compressed_bytes(SIZES, N)
   assert np.isnan(float(onebit_optax.variance_ratio(states[0])))
   # Warmup is Adam on the mean gradient with the scheduled learning rate.
   expected = _reference(params, x, y, optax.inject_hyperparams(optax.adam)(
@@ -178,7 +178,14 @@ def test_pmap_recipe_trains_and_switches_phase():
   tx = onebit_optax.onebit_adam(5e-2, axis_name="data", freeze=K)
   replicated = flax.jax_utils.replicate(params)
   opt_state = jax.pmap(tx.init, axis_name="data")(replicated)
-  assert opt_state[0].worker_error.shape == (N, 1, _flat.padded(SIZES, N))
+  # pmap: every field gets the leading device axis; the per-device buffers are (1, ...)
+  # on each device. b (4 elements) travels as float32, w (64) compressed.
+  s = opt_state[0]
+  assert [u.shape for u in s.local_momentum] == [(N, 1, 16, 4)]
+  assert s.worker_scale.shape == (N, 1, 1) and s.worker_error is None
+  assert s.server_error.shape == (N, 1, _flat.Bits([SIZES[1]], N).chunk)
+  assert s.momentum_message.shape == (N, N, _flat.onebit_row_bytes(SIZES, N))
+  assert jax.tree.map(np.shape, s.mu) == {"b": (N, 4), "w": (N, 16, 4)}
 
   @functools.partial(jax.pmap, axis_name="data")
   def step(params, opt_state, x, y):

@@ -237,12 +237,16 @@ def _check_sgd_leaf_and_onebit_leaf(history, params0, x, y, state, specs):
   assert len(onebit_state) == 1
   (onebit_state,) = onebit_state
   assert bool(onebit_state.frozen) and int(onebit_state.freeze_step) == K
-  # Only 'w' (36 params) is in 1-bit Adam's flat buffers and travels compressed.
-  assert np.asarray(onebit_state.leaf_sizes).tolist() == [FEATURES * OUTPUTS]
-  assert onebit_state.worker_error.shape == (N, _flat.padded([FEATURES * OUTPUTS], N))
-  # state_partition_specs found the nested error buffers.
+  # Only 'w' (36 params) is in 1-bit Adam's state and travels compressed (exact_below=0).
+  assert [np.shape(v) for v in jax.tree.leaves(onebit_state.nu)] == [(FEATURES, OUTPUTS)]
+  assert [u.shape for u in onebit_state.local_momentum] == [(N, FEATURES, OUTPUTS)]
+  assert onebit_state.momentum_message.shape == (
+      N, _flat.onebit_row_bytes([FEATURES * OUTPUTS], N, exact_below=0))
+  assert onebit_state.server_error.shape == (N, _flat.Bits([FEATURES * OUTPUTS], N).chunk)
+  # state_partition_specs found the nested per-device buffers: local_momentum's one
+  # entry, worker_scale and server_error.
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
-  assert sum(s == P("data") for s in spec_leaves) == 2
+  assert sum(s == P("data") for s in spec_leaves) == 3
   _assert_trained(history, params0, x, y)
 
 
@@ -250,7 +254,8 @@ def test_two_masks_onebit_adam_and_averaged_sgd(mesh):
   params, x, y = _problem()
   not_mask = jax.tree.map(lambda m: not m, MASK)
   tx = optax.chain(
-      optax.masked(onebit_optax.onebit_adam(LR, axis_name="data", freeze=K), MASK),
+      optax.masked(onebit_optax.onebit_adam(LR, axis_name="data", freeze=K, exact_below=0),
+                   MASK),
       optax.masked(optax.chain(_pmean("data"), optax.sgd(SGD_LR)), not_mask))
   history, state, specs = _train(mesh, tx, params, x, y)
   _check_sgd_leaf_and_onebit_leaf(history, params, x, y, state, specs)
@@ -260,7 +265,7 @@ def test_partition_onebit_adam_and_averaged_sgd(mesh):
   assert optax.multi_transform is optax.partition  # one test covers both names
   params, x, y = _problem(1)
   tx = optax.partition(
-      {"onebit": onebit_optax.onebit_adam(LR, axis_name="data", freeze=K),
+      {"onebit": onebit_optax.onebit_adam(LR, axis_name="data", freeze=K, exact_below=0),
        "sgd": optax.chain(_pmean("data"), optax.sgd(SGD_LR))},
       {"w": "onebit", "b": "sgd"})
   history, state, specs = _train(mesh, tx, params, x, y)
@@ -393,8 +398,12 @@ def test_linen_train_state_inside_pmap():
   state = jax.pmap(
       lambda v: train_state.TrainState.create(apply_fn=model.apply, params=v, tx=tx),
       axis_name="data")(replicated)
-  assert state.opt_state[0].worker_error.shape == (
-      N, 1, _flat.padded([OUTPUTS, FEATURES * OUTPUTS], N))  # bias, kernel
+  # The per-device buffers under pmap: (devices, 1, ...). The bias (3) and the kernel (36)
+  # are both under 64 elements: they travel as float32, nothing is compressed.
+  s = state.opt_state[0]
+  assert s.local_momentum == () and s.worker_scale.shape == (N, 1, 0)
+  assert s.momentum_message.shape == (
+      N, N, _flat.onebit_row_bytes([OUTPUTS, FEATURES * OUTPUTS], N))
 
   @functools.partial(jax.pmap, axis_name="data")
   def step(state, x, y):

@@ -73,11 +73,15 @@ def test_onebit_example_trains_and_switches_phase(run, request):
   assert r["val_loss"] < 0.85 * r["initial_val_loss"]
   assert np.mean(r["train_losses"][-3:]) < np.mean(r["train_losses"][:3])
   assert r["frozen"] and r["freeze_step"] == FREEZE
-  # Steps 1..5 all-reduce the padded float32 buffer, steps 6..12 send 1-bit momenta.
+  # Steps 1..5 all-reduce the float32 gradients (as AdamW), steps 6..12 send 1-bit
+  # momenta: 2 (n - 1) messages of signs, one scale per leaf piece, and the float32 of
+  # the leaves under 64 elements.
   sizes, n = leaf_sizes(run), DEVICES
   assert sum(sizes) == r["num_params"]
-  expected = (FREEZE * _flat.allreduce_bytes(sizes, n)
-              + (STEPS - FREEZE) * _flat.compressed_bytes(sizes, n))
+  assert _flat.onebit_warmup_bytes(sizes, n) == pytest.approx(
+      ring_allreduce_bytes(r["num_params"], n))
+  expected = (FREEZE * _flat.onebit_warmup_bytes(sizes, n)
+              + (STEPS - FREEZE) * _flat.onebit_compressed_bytes(sizes, n))
   np.testing.assert_allclose(r["bytes_per_device"], expected, rtol=1e-6)
   assert r["bytes_total"] == pytest.approx(n * expected)
 
@@ -112,16 +116,21 @@ def test_nnx_optimizer_state_is_sharded_like_state_partition_specs():
   create_optimizer, _, _ = gpt_nnx.build_steps(mesh, gpt_nnx.make_optimizer(args), onebit=True)
   state = nnx.as_pure(create_optimizer(model).opt_state)
   specs = onebit_optax.state_partition_specs(state, "data")
-  padded = _flat.padded(leaf_sizes("gpt_onebit"), DEVICES)
-  sharded = 0
+  sizes = leaf_sizes("gpt_onebit")
+  compressed, _ = _flat.split(sizes)
+  chunk = _flat.Bits([sizes[i] for i in compressed], DEVICES).chunk
+  sharded = []
   for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(specs)):
     if spec == P("data"):
-      sharded += 1
       assert leaf.sharding.spec[0] == "data" and leaf.shape[0] == DEVICES
-      assert leaf.shape[1] in (padded, padded // DEVICES)
+      sharded.append(int(np.prod(leaf.shape[1:])))
     else:
       assert leaf.sharding.is_fully_replicated
-  assert sharded == 2  # worker_error and server_error
+  # local_momentum (one per compressed leaf), worker_scale, server_error; no worker_error.
+  assert sorted(sharded) == sorted([sizes[i] for i in compressed] + [len(compressed), chunk])
+  opt = next(s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+      x, onebit_optax.ScaleByOnebitAdamState)) if isinstance(s, onebit_optax.ScaleByOnebitAdamState))
+  assert opt.worker_error is None and len(opt.local_momentum) == len(compressed) > 0
 
 
 def test_too_many_devices_is_a_clear_error():
