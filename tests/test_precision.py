@@ -134,7 +134,8 @@ def _adam(dtype, x, y, steps):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_state_dtypes_default_float32_and_configurable(mesh, dtype):
   params = jax.device_put(_params(dtype), NamedSharding(mesh, P()))
-  padded = _flat.padded(LEAF_SIZES, N)
+  compressed, _ = _flat.split(LEAF_SIZES)  # b (10) travels as float32, w (640) compressed
+  chunk = _flat.Bits([LEAF_SIZES[i] for i in compressed], N).chunk
   for kwargs, moments, errors in [({}, jnp.float32, jnp.float32),
                                   ({"moment_dtype": "bfloat16"}, jnp.bfloat16, jnp.float32),
                                   ({"moment_dtype": jnp.bfloat16, "error_dtype": jnp.bfloat16},
@@ -142,8 +143,13 @@ def test_state_dtypes_default_float32_and_configurable(mesh, dtype):
     tx = onebit_optax.onebit_adam(LR, axis_name="data", **kwargs)
     state = onebit_optax.init_sharded(tx, params, mesh)[0]
     assert {m.dtype for m in jax.tree.leaves((state.mu, state.nu))} == {jnp.dtype(moments)}, kwargs
-    assert state.worker_error.dtype == errors and state.server_error.dtype == errors, kwargs
-    assert state.worker_error.shape == (N, padded)  # the layout does not depend on dtypes
+    assert {u.dtype for u in state.local_momentum} == {jnp.dtype(errors)}, kwargs
+    assert state.server_error.dtype == errors and state.worker_error is None, kwargs
+    assert state.momentum_message.dtype == jnp.uint8 and state.worker_scale.dtype == jnp.float32
+    # The layout does not depend on dtypes.
+    assert [u.shape for u in state.local_momentum] == [(N, FEATURES, CLASSES)]
+    assert state.server_error.shape == (N, chunk)
+    assert state.momentum_message.shape == (N, _flat.onebit_row_bytes(LEAF_SIZES, N))
 
 
 @pytest.mark.parametrize("config", [(jnp.bfloat16, None, None),
@@ -158,11 +164,14 @@ def test_low_precision_params_train(runs, digits, config):
   # Parameters and updates keep the parameters' dtype; the state its storage dtype.
   assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(dtype)}
   assert set(np.asarray(update_itemsizes).tolist()) == {jnp.dtype(dtype).itemsize}
-  assert state.mu.dtype == state.nu.dtype == jnp.dtype(moment_dtype or jnp.float32)
-  assert state.worker_error.dtype == jnp.dtype(error_dtype or jnp.float32)
+  assert {m.dtype for m in jax.tree.leaves((state.mu, state.nu))} == {
+      jnp.dtype(moment_dtype or jnp.float32)}
+  errors = [*state.local_momentum, state.server_error]
+  assert {e.dtype for e in errors} == {jnp.dtype(error_dtype or jnp.float32)}
   assert bool(state.frozen) and int(state.skipped_steps) == 0
   assert all(np.all(np.isfinite(np.asarray(p, np.float32))) for p in jax.tree.leaves(params))
-  assert np.all(np.isfinite(np.asarray(state.worker_error, np.float32)))
+  assert all(np.all(np.isfinite(np.asarray(e, np.float32))) for e in errors)
+  assert np.any(np.asarray(state.local_momentum[0], np.float32))  # compression ran
   x, y = digits
   assert _numpy_loss(params, x, y) < 0.3 * np.log(CLASSES)  # from ln 10 = 2.30
 
@@ -198,20 +207,19 @@ def test_wire_format_does_not_depend_on_dtypes(runs, config):
   bf16 = _collectives(runs(*config))
   print(f"\n[collectives] f32: {f32}\n[collectives] bf16 {config}: {bf16}")
   assert bf16 == f32
-  # The flat buffer: each leaf on whole blocks of 128, the whole in N chunks; one
-  # float32 scale per leaf piece of a chunk (tests/_flat.py).
-  padded, segments = _flat.padded(LEAF_SIZES, N), _flat.max_segments(LEAF_SIZES, N)
+  # The message (tests/_flat.py): the packed signs of the compressed leaves (w, on whole
+  # blocks of 128, in N chunks), one float32 scale per leaf piece of a chunk, and the
+  # float32 of the leaves under 64 elements (b), in N chunks.
   big = [c for c in bf16["compression"] if c[2] > SCALAR_ELEMENTS]
-  # Phase 1: N rows of (padded / (8 N) packed bytes + 4 bytes per scale); phase 2:
-  # the same, gathered.
-  row = padded // (8 * N) + 4 * segments
+  # Phase 1: N rows of row bytes; phase 2: the same, gathered.
+  row = _flat.onebit_row_bytes(LEAF_SIZES, N)
   assert collections.Counter(big) == {("all-to-all", ("u8",), N * row): 1,
                                       ("all-gather", ("u8",), N * row): 1}, big
   # Warmup averages in float32 even for bfloat16 gradients (one f32 all-reduce of
-  # the flat buffer of the 650 parameters): exact mean, twice the bytes a bf16
-  # all-reduce would need.
+  # the 650 parameters, the leaves' all-reduces combined): exact mean, twice the bytes
+  # a bf16 all-reduce would need.
   assert [c for c in bf16["warmup"] if c[2] > SCALAR_ELEMENTS] == [
-      ("all-reduce", ("f32",), padded)]
+      ("all-reduce", ("f32",), SIZE)]
 
 
 _RUNS = {"onebit_f32": (jnp.float32,), "onebit_bf16": (jnp.bfloat16,),
