@@ -103,7 +103,10 @@ Phase 2: worker $r$ averages the $n$ decoded copies of its chunk, adds its own *
 re-compresses, and sends the result to everyone (an `all_gather`). Every worker decodes the same bits,
 so replicas stay identical. Per worker, a ring all-reduce of float32 sends
 $2\frac{n-1}{n}\cdot 4d \approx 8d$ bytes; the two phases send
-$2(n-1)\big(\frac{d}{8n} + 4\big) \approx \frac{d}{4}$ bytes: **32x fewer** (1 bit instead of 32).
+$2(n-1)\big(\frac{d}{8n} + 4S\big) \approx \frac{d}{4}$ bytes: **32x fewer** (1 bit instead of 32).
+Each leaf has its own scale (the RMS of the leaf), so a message carries one scale for each of the $S$
+leaf pieces in its chunk; leaves with fewer than 64 elements (a small bias, a gate) travel as float32
+inside the same messages and are averaged exactly.
 """),
     ("markdown", r"""
 ## Data and model
@@ -169,8 +172,9 @@ One training step under `jax.shard_map`: every device computes the gradient of *
 batch. `onebit_optax.local_params` marks the replicated parameters as per-device first; without it,
 `jax.grad` would silently all-reduce the gradients in float32 in the backward pass. For Adam we then
 average the gradients ourselves (`pmean`, the usual float32 all-reduce); 1-bit Adam takes the local
-gradients and does its own communication. `init_sharded` works for any optax optimizer: only the
-1-bit Adam error buffers are per device, everything else is replicated.
+gradients and does its own communication. `init_sharded` works for any optax optimizer: only 1-bit
+Adam's per-device buffers (what each device compressed last, its scales, the server error) are per
+device, everything else is replicated.
 
 Both use the same warmup-cosine learning rate and Optax's default $\beta_1, \beta_2$. 1-bit Adam
 checks the variance every $\Delta = 50$ steps (the default, $1/(1-\beta_2) = 1000$, suits runs of
@@ -288,7 +292,7 @@ def my_loss(params, x, y):
 tx = onebit_optax.onebit_adam(5e-2, axis_name='data', freeze=onebit_optax.fixed_step_freeze(20))
 params = jax.device_put({'w': jnp.zeros((16, 1)), 'b': jnp.zeros(1)}, NamedSharding(mesh, P()))
 opt_state = onebit_optax.init_sharded(tx, params, mesh)
-specs = onebit_optax.state_partition_specs(opt_state, 'data')  # error buffers: P('data')
+specs = onebit_optax.state_partition_specs(opt_state, 'data')  # per-device buffers: P('data')
 
 @jax.jit
 @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P('data'), P('data')),

@@ -132,13 +132,16 @@ def test_bytes_match_the_ring_and_two_phase_formulas(executed):
   assert sum(leaf_sizes) == d
   n = DEVICES
   allreduce = 2 * (n - 1) / n * d * 4  # ring all-reduce of float32: reduce-scatter + all-gather
-  onebit = _flat.compressed_bytes(leaf_sizes, n)  # all_to_all + all_gather: signs + scales
+  # all_to_all + all_gather of 2 (n - 1) messages: signs + one scale per leaf piece + the
+  # float32 of the leaves under 64 elements.
+  onebit = _flat.onebit_compressed_bytes(leaf_sizes, n)
   assert _number(r"per step: Adam ([\d,]+)", text) == pytest.approx(allreduce, abs=1)
   assert _number(r"after the freeze ([\d,]+)", text) == pytest.approx(onebit, abs=1)
   freeze = int(_number(r"froze the variance after step (\d+)", text))
   assert _number(r"whole run: Adam ([\d,]+)", text) == pytest.approx(STEPS * allreduce, rel=1e-6)
-  # 1-bit Adam's warmup all-reduces its flat buffer, padding included.
-  warmup = _flat.allreduce_bytes(leaf_sizes, n)
+  # 1-bit Adam's warmup all-reduces the gradients, as Adam does (no padding on the wire).
+  warmup = _flat.onebit_warmup_bytes(leaf_sizes, n)
+  assert warmup == pytest.approx(allreduce)
   assert _number(r"whole run: Adam [\d,]+, 1-bit Adam ([\d,]+)", text) == pytest.approx(
       freeze * warmup + (STEPS - freeze) * onebit, rel=1e-6)
 
