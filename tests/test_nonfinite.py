@@ -13,6 +13,12 @@ batch: the skipped step must change nothing but ``skipped_steps`` (and the
 ``wire_bytes`` report: the collectives did run), the parameters must not move,
 and every later step must be bit-for-bit the run without the bad batch.
 
+In the compression phase a skipped step also drops the worker error feedback,
+as documented: ``local_momentum`` already holds what each device compressed in
+the skipped step (its ``u``, written before the exchange), so ``feedback_valid``
+is cleared and the next step forms no error term. There the run without the
+bad batch is compared with its feedback dropped at that step too.
+
 A hang would not raise: it would block in the collective rendezvous. The
 module therefore runs under pytest-timeout's *thread* method, which dumps the
 stacks and ends the session (the signal method cannot interrupt a thread
@@ -74,6 +80,9 @@ class _Trainer:
 
   def __init__(self, mesh, params, **tx_kwargs):
     self.mesh = mesh
+    # exact_below=0: both leaves (3 and 36 elements) are compressed, so that the per-device
+    # compression state (local_momentum, worker_scale, server_error) is exercised.
+    tx_kwargs.setdefault("exact_below", 0)
     self.tx = onebit_optax.onebit_adam(LR, axis_name="data", freeze=FREEZE_AT, **tx_kwargs)
     self.params0 = jax.device_put(params, NamedSharding(mesh, P()))
     self.state0 = onebit_optax.init_sharded(self.tx, self.params0, mesh)
@@ -106,11 +115,18 @@ class _Trainer:
       self._compiled = self._step_fn.lower(params, state, *batch, poison).compile(FAST_CODEGEN)
     return self._compiled(params, state, *batch, poison)
 
-  def run(self, batches, bad_at=None, bad_value=None):
-    """Snapshots (host copies of every device's buffers) after each step."""
+  def run(self, batches, bad_at=None, bad_value=None, drop_feedback_at=None):
+    """Snapshots (host copies of every device's buffers) after each step.
+
+    ``drop_feedback_at``: before that step, clear ``feedback_valid`` (what a skipped
+    compression step leaves behind).
+    """
     params, state, history = self.params0, self.state0, []
     for i, batch in enumerate(batches):
       poison = self.poison(bad_value) if i == bad_at else None
+      if i == drop_feedback_at:
+        cleared = jax.device_put(np.False_, NamedSharding(self.mesh, P()))
+        state = (state[0]._replace(feedback_valid=cleared),) + tuple(state[1:])
       params, state = self.step(params, state, batch, poison)
       history.append((_snapshot(params), _snapshot(state[0])))
     return history
@@ -141,14 +157,14 @@ def _assert_same(snap_a, snap_b, what, ignore=()):
 
 def _moments(snap, params, device):
   """(mu, nu) as trees, from one device's copy of a state snapshot."""
-  state = onebit_optax.ScaleByOnebitAdamState(*(leaf[device] for leaf in snap))
+  state = jax.tree.map(lambda copies: copies[device], snap, is_leaf=lambda x: isinstance(x, list))
   return jax.tree.map(np.asarray, onebit_optax.moments(state, params))
 
 
 def _assert_replicas_agree(snap, what):
   """A replicated value must be bitwise the same on all 8 devices."""
-  for field in ("count", "mu", "nu", "frozen", "freeze_step", "variance_ratio",
-                "reference_l1", "wire_bytes", "skipped_steps"):
+  for field in ("count", "mu", "nu", "nu_l1", "feedback_valid", "momentum_message", "frozen",
+                "freeze_step", "variance_ratio", "reference_l1", "wire_bytes", "skipped_steps"):
     for leaf in jax.tree.leaves(getattr(snap, field), is_leaf=lambda x: isinstance(x, list)):
       assert len(leaf) == N
       assert all(_bitwise_equal(c, leaf[0]) for c in leaf), f"{what}: {field} differs by device"
@@ -170,28 +186,38 @@ SCENARIOS = [
                          ids=[f"{p}-{v}" for p, _, v in SCENARIOS])
 def test_one_bad_device_skips_everywhere_and_the_skip_is_a_no_op(
     problem, trainer, phase, bad_at, value):
-  _, batches = problem
+  params0, batches = problem
+  compression = phase == "compression"
   bad = trainer.run(batches, bad_at=bad_at, bad_value=value)
-  # The run that never saw batch `bad_at`.
-  without = trainer.run(batches[:bad_at] + batches[bad_at + 1:])
+  # The run that never saw batch `bad_at` (in compression, with the feedback dropped there).
+  skipped = batches[:bad_at] + batches[bad_at + 1:]
+  without = trainer.run(skipped, drop_feedback_at=bad_at if compression else None)
 
   step = bad_at + 1  # 1-based number of the poisoned call
   params_before, state_before = bad[bad_at - 1] if bad_at else (
       _snapshot(trainer.params0), _snapshot(trainer.state0[0]))
   params_after, state_after = bad[bad_at]
-  assert bool(state_before.frozen[0]) == (phase == "compression"), phase
+  assert bool(state_before.frozen[0]) == compression, phase
 
   # Every device skipped (no hang, and the count agrees everywhere).
   _assert_replicas_agree(state_after, f"after the bad step {step}")
   assert all(int(c) == 1 for c in state_after.skipped_steps)
   # Nothing moved: parameters and every state field, bitwise on every device,
-  # except the two counters that report the step.
+  # except the two counters that report the step, and (compression) the feedback.
   _assert_same(params_after, params_before, "params across the skipped step")
+  feedback = ("local_momentum", "feedback_valid") if compression else ()
   _assert_same(state_after, state_before, "state across the skipped step",
-               ignore=("skipped_steps", "wire_bytes"))
-  expected_bytes = (_flat.compressed_bytes(LEAF_SIZES, N) if phase == "compression"
-                    else _flat.allreduce_bytes(LEAF_SIZES, N))
+               ignore=("skipped_steps", "wire_bytes") + feedback)
+  expected_bytes = (_flat.onebit_compressed_bytes(LEAF_SIZES, N, exact_below=0) if compression
+                    else _flat.onebit_warmup_bytes(LEAF_SIZES, N))
   assert all(float(b) == expected_bytes for b in state_after.wire_bytes)  # it did communicate
+  if compression:
+    _check_dropped_feedback(params0, params_before, batches[bad_at], state_before, state_after)
+    # Dropping the feedback is not a no-op: the run that keeps it differs after the step.
+    kept = trainer.run(skipped)
+    assert not all(_bitwise_equal(a, b) for a, b in zip(
+        jax.tree.leaves(kept[bad_at][1].local_momentum),
+        jax.tree.leaves(without[bad_at][1].local_momentum)))
 
   # Before: identical to the run without the bad batch. After: shifted by one
   # call, bit for bit, in every field but skipped_steps.
@@ -203,13 +229,43 @@ def test_one_bad_device_skips_everywhere_and_the_skip_is_a_no_op(
     _assert_same(bad[i][1], without[i - 1][1], f"state at call {i + 1}", ignore=("skipped_steps",))
     assert all(int(c) == 1 for c in bad[i][1].skipped_steps)
   final = bad[-1][1]
-  assert all(bool(f) for f in final.frozen)
+  assert all(bool(f) for f in final.frozen) and all(bool(f) for f in final.feedback_valid)
   assert all(int(f) == FREEZE_AT for f in final.freeze_step)  # the skip did not shift the freeze
   assert int(final.count[0]) == NUM_BATCHES - 1
   # The comparison is not vacuous: training moved the parameters and the
-  # compression phase ran (the per-device worker errors differ).
+  # compression phase ran (what the devices compressed differs).
   assert not _bitwise_equal(bad[-1][0]["w"][0], np.asarray(problem[0]["w"]))
-  assert not _bitwise_equal(final.worker_error[0], final.worker_error[1])
+  assert not _bitwise_equal(final.local_momentum[1][0], final.local_momentum[1][1])
+
+
+def _check_dropped_feedback(params0, params, batch, before, after, b1=0.9):
+  """A skipped compression step: feedback_valid cleared, local_momentum = the skipped u.
+
+  On every device u = b1 m + (1 - b1) g + e, with m the mean momentum the message
+  held, g the device's gradient (poisoned on device BAD_DEVICE) and
+  e = u' - s' sign(u') (sign(0) = +1) the error of what it compressed the step before.
+  """
+  assert all(bool(f) for f in before.feedback_valid)
+  assert not any(bool(f) for f in after.feedback_valid)
+  x, y = (np.asarray(a) for a in batch)
+  for device in range(N):
+    m = jax.tree.map(np.array, _moments(before, params0, device)[0])  # writable copies
+    p = {k: jnp.asarray(v[device]) for k, v in params.items()}  # the params the step saw
+    g = jax.tree.map(np.asarray, jax.grad(_loss)(p, x[device], y[device]))
+    for k, name in enumerate(("b", "w")):  # the compressed leaves, in flattening order
+      u_prev = np.asarray(before.local_momentum[k][device][0], np.float32)
+      s_prev = np.asarray(before.worker_scale[device])[0, k]
+      e = u_prev - np.where(u_prev >= 0, s_prev, -s_prev)
+      u = np.asarray(after.local_momentum[k][device][0], np.float32)
+      if name == "w" and device == BAD_DEVICE:
+        assert not np.isfinite(u[0, 0])  # the poisoned element, kept as it was sent
+        u, g = u.copy(), dict(g, w=np.array(g["w"]))
+        u[0, 0] = g["w"][0, 0] = 0.0
+        e[0, 0] = m["w"][0, 0] = 0.0
+      else:
+        assert np.all(np.isfinite(u)), (device, name)
+      np.testing.assert_allclose(u, b1 * m[name] + (1 - b1) * g[name] + e,
+                                 rtol=1e-5, atol=1e-6, err_msg=f"u of {name} on {device}")
 
 
 def test_skip_nonfinite_false_propagates_nan(mesh, problem):
@@ -242,9 +298,10 @@ def test_skip_nonfinite_false_propagates_nan(mesh, problem):
   assert np.all(np.isfinite(comp[5][0]["w"][0]))  # the step before was fine
 
 
-def test_axis_name_none_skips_too():
+@pytest.mark.parametrize("exact_below", [None, 0], ids=["exact", "compressed"])
+def test_axis_name_none_skips_too(exact_below):
   # The single-device path takes the same predicate (no collective involved).
-  tx = onebit_optax.onebit_adam(LR, axis_name=None, freeze=2)
+  tx = onebit_optax.onebit_adam(LR, axis_name=None, freeze=2, exact_below=exact_below)
   params = {"w": jnp.ones(5)}
   state = tx.init(params)
   update = jax.jit(tx.update)
@@ -256,6 +313,18 @@ def test_axis_name_none_skips_too():
   updates, state = update({"w": jnp.array([1.0, np.inf, 0.0, 0.0, 0.0])}, state, params)
   assert np.all(np.asarray(updates["w"]) == 0)
   assert int(onebit_optax.skipped_steps(state)) == 1
-  for a, b in zip(jax.tree.leaves(before[0]._replace(skipped_steps=0, wire_bytes=0)),
-                  jax.tree.leaves(state[0]._replace(skipped_steps=0, wire_bytes=0))):
+  # Everything is kept but the feedback: it is dropped (local_momentum holds the skipped u).
+  keep = lambda s: s._replace(skipped_steps=0, wire_bytes=0, local_momentum=(),
+                              feedback_valid=True)
+  for a, b in zip(jax.tree.leaves(keep(before[0])), jax.tree.leaves(keep(state[0]))):
     assert _bitwise_equal(np.asarray(a), np.asarray(b))
+  assert bool(before[0].feedback_valid) and not bool(state[0].feedback_valid)
+  if exact_below == 0:
+    (u,) = state[0].local_momentum
+    assert u.shape == (1, 5) and not np.isfinite(u[0, 1]) and np.all(np.isfinite(u[0, [0, 2, 3, 4]]))
+  else:
+    assert state[0].local_momentum == ()  # 5 elements travel as float32: nothing compressed
+  # The next finite step runs (no feedback), and the feedback is valid again after it.
+  updates, state = update(grads, state, params)
+  assert int(onebit_optax.skipped_steps(state)) == 1 and int(state[0].count) == 4
+  assert bool(state[0].feedback_valid) and np.all(np.isfinite(np.asarray(updates["w"])))
