@@ -218,6 +218,16 @@ class WireLayout:
     return tuple(i for i, s in enumerate(self.sizes) if 0 < s < self.exact_below)
 
   @functools.cached_property
+  def roles(self) -> tuple:
+    """Per leaf: ``('c', k)`` compressed leaf ``k``, ``('e', j)`` exact leaf ``j``, ``('z',)`` empty."""
+    out = [("z",)] * len(self.sizes)
+    for k, i in enumerate(self.compressed):
+      out[i] = ("c", k)
+    for j, i in enumerate(self.exact):
+      out[i] = ("e", j)
+    return tuple(out)
+
+  @functools.cached_property
   def bits(self) -> FlatLayout:
     """The bit stream of the compressed leaves (its ``padded`` is a multiple of 128 n)."""
     return cached_layout(tuple(self.shapes[i] for i in self.compressed), self.num_devices, BLOCK)

@@ -94,12 +94,7 @@ class _Plan(NamedTuple):
 
   def kind(self, i: int):
     """('c', k): leaf ``i`` is compressed leaf ``k``; ('e', j): exact leaf ``j``; ('z',): empty."""
-    layout = self.layout
-    if i in layout.compressed:
-      return "c", layout.compressed.index(i)
-    if i in layout.exact:
-      return "e", layout.exact.index(i)
-    return ("z",)
+    return self.layout.roles[i]
 
 
 class _Exchange(NamedTuple):
