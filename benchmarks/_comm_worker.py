@@ -175,13 +175,18 @@ class _Bench:
 
     import onebit_optax
     # With one rank and Adam, no pmean (see below), so the gradients stay typed
-    # as varying: turn the type check off rather than add a copy.
+    # as varying: turn the type check off rather than add a copy. With one rank
+    # and 1-bit Adam (core v3), the 1-device exchange returns the rank's own
+    # (varying) rows where the warmup branch's message is replicated, and the
+    # lax.cond between the phases refuses the mismatch under the type check:
+    # the compute-alone runs turn it off as well (the program is the same).
     single_adam = reduce_grads and self.args.num_ranks == 1
+    check_vma = self.args.num_ranks > 1
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     @functools.partial(
         jax.shard_map, mesh=mesh, in_specs=(P(), state_specs, P(axis), P(axis)),
-        out_specs=(P(), state_specs, P()), check_vma=not single_adam)
+        out_specs=(P(), state_specs, P()), check_vma=check_vma)
     def step(params, opt_state, tokens, labels):
       # Local gradients (no all-reduce in the backward pass); each optimizer
       # decides how to average them.
@@ -316,16 +321,19 @@ def _rank(args):
 
 
 def _profile_collectives(args, mesh, shapes):
-  """Times the collectives of one step on their own, on parameter-sized buffers.
+  """Times the collectives of one step on their own, with the optimizer's (core v3) sizes.
 
   Each is jitted under shard_map over all ranks and timed after compilation
-  (median of --profile-repeats): the float32 pmean of the flat padded buffer
-  (1-bit Adam's warmup all-reduce; Adam's is the same size up to padding), the
-  two uint8 collectives of compressed_mean (all_to_all of packed chunks with
-  their scales, all_gather of packed server chunks with theirs),
-  compressed_mean as a whole on the optimizer's layout of the model, and the
-  same compressed_mean without communication (axis_name=None on this rank) for
-  the compute part.
+  (median of --profile-repeats): the float32 psum of the unpadded gradient tree
+  (1-bit Adam's warmup all-reduce, one tuple psum; Adam's pmean is the same
+  bytes), the two uint8 collectives of the compression phase on the wire
+  layout's messages (all_to_all of the (n, row_bytes) rows, all_gather of the
+  server's row_bytes message), the whole 1-bit exchange (the rows built from
+  per-leaf momenta: packed signs, per-leaf RMS scales, exact leaves as
+  float32; all_to_all, the server's decode/average/re-compress, all_gather)
+  on n ranks, and the compute pieces alone on one rank: building the rows,
+  one server's work (decode the n rows of its chunk, average, re-compress) and
+  the server of the whole vector on a 1-device layout.
   """
   import functools
 
@@ -334,46 +342,76 @@ def _profile_collectives(args, mesh, shapes):
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  import onebit_optax
-  from onebit_optax import _layout  # the optimizer's flat layout (private)
+  # The optimizer's wire layout, exchange and message packing (private API).
+  from onebit_optax import _collective, _layout, _wire
 
   n = args.num_ranks
-  layout = _layout.layout_for(shapes, n)
-  d = layout.padded
-  row = layout.chunk // 8 + 4 * layout.max_segments  # packed signs + float32 scales
+  leaf_shapes = tuple(tuple(int(d) for d in x.shape) for x in jax.tree.leaves(shapes))
+  layout = _layout.WireLayout(leaf_shapes, n)
+  row = layout.row_bytes  # packed signs + float32 scales + float32 exact values
   sharded = NamedSharding(mesh, P("data"))
 
   def per_rank(shape, dtype, key):
-    fn = lambda: (jax.random.normal(jax.random.key(key), (n * shape[0],) + shape[1:])
-                  .astype(dtype))
+    """(n, *shape), one slice per rank: inside shard_map, ``[0]`` is the rank's own."""
+    fn = lambda: jax.random.normal(jax.random.key(key), (n,) + tuple(shape)).astype(dtype)
     return jax.jit(fn, out_shardings=sharded)()
 
   smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
-  x = per_rank((d,), jnp.float32, 1)
+  grads = [per_rank(shape, jnp.float32, 10 + i) for i, shape in enumerate(leaf_shapes)]
   rows = per_rank((n, row), jnp.uint8, 2)
   msg = per_rank((row,), jnp.uint8, 3)
-  errors = (per_rank((d,), jnp.float32, 4) * 0, per_rank((d // n,), jnp.float32, 5) * 0)
+  server_error = per_rank((1, layout.bits.chunk), jnp.float32, 4) * 0
+
+  def encode(wl, leaves):
+    """Phase 1's rows of the leaves, as the optimizer builds them (_onebit_adam._rows)."""
+    sent = [leaves[i] for i in wl.compressed]
+    scales = jnp.stack([_wire.leaf_rms(u) for u in sent])
+    exact = (jnp.concatenate([jnp.ravel(leaves[i]) for i in wl.exact]) if wl.exact
+             else jnp.zeros((0,), jnp.float32))
+    return _wire.rows(wl, [_wire.leaf_signs(u) for u in sent], scales, exact)
+
+  def exchange(gs, se):
+    axes = _collective.resolve_axes("data", None, caller="profile")
+    gathered, new_se, finite = _collective.onebit_exchange(
+        encode(layout, [g[0] for g in gs]), se[0], layout, axes, keep_if_nonfinite=True)
+    return gathered[None], new_se[None], finite[None]
+
   # Note: a collective whose result is unused is removed by XLA, so every result
   # is returned.
-  pmean = jax.jit(smap(lambda v: jax.lax.pmean(v, "data")))
-  a2a = jax.jit(smap(lambda r: jax.lax.all_to_all(r, "data", 0, 0, tiled=True)))
-  gather = jax.jit(smap(lambda m: jax.lax.all_gather(m, "data").reshape(-1)))
-  cmean = jax.jit(jax.shard_map(
-      lambda v, e: (lambda m, we, se: (m[None], (we, se)))(
-          *onebit_optax.compressed_mean(v, e[0], e[1], "data", layout=layout)),
-      mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data"))))
-  # Alone, this rank is worker and server of the whole vector (server error of
-  # size d): an upper bound on the compute of the n-rank call.
-  layout_1 = _layout.layout_for(shapes, 1)
-  local = jax.jit(lambda v, we, se: onebit_optax.compressed_mean(v, we, se, None, layout=layout_1))
-  lx = jnp.asarray(np.asarray(x.addressable_data(0))[:layout_1.padded])
-  lwe, lse = jnp.zeros_like(lx), jnp.zeros_like(lx)
+  psum = jax.jit(smap(lambda gs: [x[None] for x in jax.lax.psum([g[0] for g in gs], "data")]))
+  a2a = jax.jit(smap(lambda r: jax.lax.all_to_all(r[0], "data", 0, 0, tiled=True)[None]))
+  gather = jax.jit(smap(lambda m: jax.lax.all_gather(m[0], "data").reshape(-1)[None]))
+  onebit = jax.jit(smap(exchange))
+  # The compute pieces on this rank alone (no communication): building the rows
+  # (every rank does it over the whole tree), the server of one chunk from n
+  # rows (what each of the n servers does), and the server of the whole vector
+  # (a 1-device cluster's, for the n = 1 end of benchmarks/scaling_model.py).
+  layout_1 = _layout.WireLayout(leaf_shapes, 1)
+  lgs = [jnp.asarray(np.asarray(g.addressable_data(0))[0]) for g in grads]
+  encode_n = jax.jit(lambda gs: encode(layout, gs))
+
+  def server(wl, received, se):
+    served = _collective.serve(received, se, wl.bits, exact_chunk=wl.exact_chunk, chunk_index=0,
+                               n_slow=received.shape[0])
+    return served.message, served.residual
+  serve_n = jax.jit(functools.partial(server, layout))
+  serve_1 = jax.jit(functools.partial(server, layout_1))
+  rows_n = jax.block_until_ready(encode_n(lgs))
+  rows_1 = jax.block_until_ready(jax.jit(lambda gs: encode(layout_1, gs))(lgs))
+  se_n = jnp.zeros((layout.bits.chunk,), jnp.float32)
+  se_1 = jnp.zeros((layout_1.bits.chunk,), jnp.float32)
   cases = {
-      "pmean f32 of the padded buffer (warmup's all-reduce)": lambda: pmean(x),
-      "all_to_all uint8 (phase 1)": lambda: a2a(rows),
-      "all_gather uint8 (phase 2)": lambda: gather(msg),
-      "compressed_mean, n ranks": lambda: cmean(x, errors),
-      "compressed_mean, no communication (n=1)": lambda: local(lx, lwe, lse),
+      "psum f32 of the gradient tree (warmup's all-reduce, unpadded)": lambda: psum(grads),
+      f"all_to_all uint8 ({n}, {row}) (phase 1)": lambda: a2a(rows),
+      f"all_gather uint8 of {row} B (phase 2)": lambda: gather(msg),
+      "1-bit exchange (rows + all_to_all + server + all_gather), n ranks":
+          lambda: onebit(grads, server_error),
+      "rows alone (signs, leaf scales, exact floats of the tree; no communication)":
+          lambda: encode_n(lgs),
+      "server alone, one chunk from n rows (no communication)":
+          lambda: serve_n(rows_n, se_n),
+      "server alone, n=1: the whole vector (no communication)":
+          lambda: serve_1(rows_1, se_1),
   }
   out = {}
   for name, fn in cases.items():

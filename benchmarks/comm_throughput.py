@@ -27,13 +27,17 @@ minutes. What it does:
 5. Prints and saves a table (benchmarks/results/comm_throughput.md) and a plot
    (benchmarks/results/comm_throughput.png): throughput ratio 1-bit/Adam, bytes
    per step measured and predicted, compute time, and the alpha-beta model's
-   ratio. Predicted bytes per rank per step, from the optimizer's flat layout
-   (every leaf padded to a multiple of 128 elements, the total to a multiple of
-   128 n; ``padded`` elements, ``max_segments`` scales per chunk):
+   ratio. Predicted bytes per rank per step, from the optimizer's wire layout
+   (onebit_optax._layout.WireLayout, core v3): leaves with >= 64 elements are
+   compressed (their packed signs laid out leaf after leaf, each leaf padded to
+   a multiple of 128 elements, the stream to a multiple of 128 n, cut into n
+   chunks with S scales each), smaller leaves travel as float32 "exact" values
+   (exact_chunk per message) inside the same uint8 messages:
 
-       Adam (ring all-reduce of the tree)    2 (n-1)/n * 4 * num_params
-       1-bit warmup (all-reduce, flat)       2 (n-1)/n * 4 * padded
-       1-bit compression (two uint8 phases)  2 (n-1) * (padded / (8 n) + 4 * max_segments)
+       Adam (ring all-reduce of the tree)         2 (n-1)/n * 4 * num_params
+       1-bit warmup (all-reduce of the tree)      2 (n-1)/n * 4 * num_params
+       1-bit compression (two uint8 phases)       2 (n-1) * row_bytes,
+           row_bytes = bits.chunk / 8 + 4 * (S + exact_chunk)
 
    and the alpha-beta model:
 
@@ -49,7 +53,8 @@ only the link between namespaces shaped; the ranks of a node talk over its
 loopback. Adam (pmean over ('node', 'local')), flat 1-bit Adam (1-D mesh
 'data' of the same ranks) and hierarchical 1-bit Adam (axis_name=('node',
 'local') on jax.make_mesh((2, 2), ('node', 'local'))); bytes per device on the
-link (the node's eth0 counters / 2) against compressed_wire_bytes(padded/2, 2, S).
+link (the node's eth0 counters / 2) against compressed_wire_bytes(padded/2, 2, S)
+(hierarchical: every leaf compressed, exact_below = 0).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -104,6 +110,7 @@ def _parse_args(argv=None):
                       "only the links between nodes shaped; writes comm_throughput_hier.*")
   p.add_argument("--nodes", type=int, default=2, help="namespaces (nodes) with --hier (default 2)")
   p.add_argument("--timeout", type=float, default=1200, help="seconds per group of ranks")
+  p.add_argument("--note", default=None, help="a line for the results header (e.g. the load)")
   p.add_argument("--out-dir", default=str(HERE / "results"))
   p.add_argument("--name", default=None, help="output file stem (default comm_throughput, or "
                  "comm_throughput_rates with --rates)")
@@ -207,27 +214,59 @@ def _summarize(results: list[dict], bytes_divisor: float = 1.0) -> dict:
   return summary
 
 
-def _layout(leaf_shapes: list, n: int):
-  """The optimizer's flat layout of the model's leaves on ``n`` ranks."""
-  import numpy as np
+def _layout(leaf_shapes: list, n: int, exact_below: int | None = None):
+  """The optimizer's wire layout (core v3) of the model's leaves on ``n`` ranks.
+
+  ``exact_below=None``: the optimizer's default (leaves under EXACT_BELOW
+  elements travel as float32); 0: every leaf compressed (the hierarchical case).
+  """
   from onebit_optax import _layout as layout_lib  # (private: the layout is not public API)
-  return layout_lib.layout_for([np.empty(s, np.uint8) for s in leaf_shapes], n)
+  shapes = tuple(tuple(int(d) for d in s) for s in leaf_shapes)
+  return layout_lib.WireLayout(shapes, n, layout_lib.EXACT_BELOW if exact_below is None
+                               else exact_below)
 
 
 def _predicted_bytes(num_params: int, leaf_shapes: list, n: int) -> dict:
   """Bytes each rank sends per step, per mode (ring all-reduce; two uint8 phases).
 
-  Adam all-reduces the gradient tree (``num_params`` float32); 1-bit Adam's
-  warmup all-reduces the flat buffer of ``padded`` float32 (every leaf padded to
-  a multiple of 128, the total to a multiple of 128 n); its compression phase
-  sends, in each of two phases, n - 1 packed chunks of padded / (8 n) bytes,
-  each followed by ``max_segments`` float32 scales.
+  Adam and 1-bit Adam's warmup all-reduce the (unpadded) gradient tree,
+  ``num_params`` float32 (the warmup as one tuple psum); the compression phase
+  sends, in each of two phases (all_to_all of the (n, row_bytes) rows,
+  all_gather of the server's row_bytes message), n - 1 messages of
+  ``row_bytes`` = packed signs of a chunk + 4 bytes per scale (S per chunk) +
+  4 bytes per exact float (``exact_chunk``).
   """
   layout = _layout(leaf_shapes, n)
-  compressed = 2 * (n - 1) * (layout.padded / (8 * n) + 4 * layout.max_segments)
-  return {"adam": 2 * (n - 1) / n * 4 * num_params,
-          "onebit_warmup": 2 * (n - 1) / n * 4 * layout.padded,
-          "onebit_compression": compressed}
+  allreduce = 2 * (n - 1) / n * 4 * num_params
+  return {"adam": allreduce, "onebit_warmup": allreduce,
+          "onebit_compression": 2 * (n - 1) * layout.row_bytes}
+
+
+def _layout_info(num_params: int, leaf_shapes: list, n: int) -> dict:
+  """The wire layout's numbers, saved with each run (benchmarks/scaling_model.py reads them)."""
+  layout = _layout(leaf_shapes, n)
+  return {"num_params": num_params, "padded": layout.bits.padded, "segments": layout.segments,
+          "exact_chunk": layout.exact_chunk, "row_bytes": layout.row_bytes,
+          "compressed_leaves": len(layout.compressed), "exact_leaves": len(layout.exact)}
+
+
+def _load_1min(uptime: str) -> float | None:
+  try:
+    return float(uptime.split("load average:")[-1].split(",")[0])
+  except ValueError:
+    return None
+
+
+def _load_note(start: str, end: str, runs: list[dict], note: str | None) -> list[str]:
+  """A warning line when the machine was busy before the ranks started (1-minute load > cores)."""
+  del end, runs
+  out = [f"Note: {note}"] if note else []
+  cores, load = os.cpu_count() or 1, _load_1min(start)
+  if load is not None and load > cores:
+    out.append(f"**Loaded machine**: the 1-minute load was {load:.1f} on {cores} cores before "
+               "any rank started: other processes shared the CPUs, so the step times are "
+               "distorted.")
+  return out
 
 
 def _uptime() -> str:
@@ -261,8 +300,10 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, leaf_shapes:
       "",
       f"The {n} ranks run at the same time on the same cores, each on its own 1-device mesh "
       "(the collectives vanish), so contention for the CPU is as in the networked runs. "
-      "For 1-bit Adam this is a 1-device cluster: the rank also compresses the whole vector as "
-      f"\"server\" (in the {n}-rank run it serves 1/{n} of it), so t_compress is an upper bound. "
+      "For 1-bit Adam this is a 1-device cluster, which in core v3 has no server phase (the "
+      "message is the rank's own row): t_compress leaves out the server's work on its "
+      f"1/{n} chunk (decode the {n} rows, average, re-compress), which the model below adds "
+      "from the profile when --profile ran. "
       "Adam's compute skips the pmean; 1-bit warmup keeps the package's 1-participant "
       "all-reduce (a copy XLA does not remove).",
       "",
@@ -287,10 +328,14 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, leaf_shapes:
         f"({bw * 8 / 1e9:.3f} Gbit/s), round trip {rtt * 1e6:.0f} us. "
         f"Load before the run: {run['load']}.",
         "",
-        f"Predicted bytes from the optimizer's layout: {len(leaf_shapes)} leaves, "
-        f"{num_params:,} parameters padded to {layout.padded:,} elements, "
-        f"{layout.max_segments} scales per chunk; compression 2(n-1)(padded/(8n) + "
-        f"4 max_segments), warmup and Adam 2(n-1)/n x 4 bytes x (padded or parameters).",
+        f"Predicted bytes from the optimizer's wire layout (core v3): {len(leaf_shapes)} leaves, "
+        f"{num_params:,} parameters; {len(layout.compressed)} compressed leaves "
+        f"({layout.bits.size:,} elements, the sign stream padded to {layout.bits.padded:,}, "
+        f"S = {layout.segments} scales per chunk), {len(layout.exact)} exact leaves "
+        f"({layout.exact_size} float32, exact_chunk = {layout.exact_chunk}); one message "
+        f"row_bytes = {layout.bits.chunk // 8:,} + 4 x ({layout.segments} + "
+        f"{layout.exact_chunk}) = {layout.row_bytes:,} B. Compression 2(n-1) row_bytes; "
+        "warmup and Adam 2(n-1)/n x 4 bytes x parameters (the unpadded tree).",
         "",
         "| step | median s/step | repeats min-max | steps/s | vs Adam | bytes sent/rank/step "
         "(measured) | predicted | measured/predicted |",
@@ -317,8 +362,13 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, leaf_shapes:
         "ratio vs Adam: model | measured | **measured/model** | comm implied (measured - compute) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    server = _server_s(run)
+    if server:
+      lines[-2:-2] = [f"t_compute of the compression step = compute alone + the server of one "
+                      f"chunk from the profile ({server:.3f} s; a 1-device cluster has no "
+                      "server).", ""]
     for mode in [m for m in modes if m.endswith("compression")]:
-      t_c = tc[mode]["step_s"]
+      t_c = tc[mode]["step_s"] + (server or 0.0)
       t_model = t_c + alpha + pred[mode] / bw
       predicted = t_adam_model / t_model
       achieved = s["adam"]["step_s"] / s[mode]["step_s"]
@@ -345,6 +395,12 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, leaf_shapes:
           "|---|---:|",
       ] + [f"| {k} | {v:.3f} |" for k, v in run["profile"].items()] + [""]
   return lines
+
+
+def _server_s(run: dict) -> float | None:
+  """The profile's server of one chunk (core v3; absent in older profiles)."""
+  return next((v for k, v in (run.get("profile") or {}).items()
+               if k.startswith("server alone, one chunk")), None)
 
 
 def _plot(runs: list[dict], path: Path):
@@ -457,13 +513,16 @@ def main(argv=None):
     _kill_children()
     shutil.rmtree(workdir, ignore_errors=True)
 
+  for run in runs:
+    run["wire_layout"] = _layout_info(num_params, leaf_shapes, n)
+  end_load = _uptime()
   import jax
   import optax
   import onebit_optax
   header = [
       f"# Communication benchmark: Adam vs 1-bit Adam, {n} CPU ranks",
       "",
-      f"Command: `python benchmarks/comm_throughput.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
+      f"Command: `python benchmarks/comm_throughput.py {shlex.join(_argv(argv))}`"
       .replace("  ", " ").rstrip() + f" (took {time.time() - t0:.0f} s).",
       f"jax {jax.__version__}, optax {optax.__version__}, onebit_optax {onebit_optax.__version__} "
       f"(commit {_git_commit()}); {os.cpu_count()} CPU cores shared by {n} ranks "
@@ -472,8 +531,8 @@ def main(argv=None):
       f"{num_params:,} parameters; batch {args.batch} x {args.seq} tokens per rank. "
       f"{args.repeats} repeats x {args.steps} timed steps per optimizer, after compilation.",
       f"`uptime` at start: {start_load}",
-      f"`uptime` at end: {_uptime()}",
-  ]
+      f"`uptime` at end: {end_load}",
+  ] + _load_note(start_load, end_load, runs, args.note)
   lines = _report(args, runs, compute, num_params, leaf_shapes, header)
   goal = [r for r in runs if r["short_label"] == "1gbit"]
   if goal:
@@ -482,8 +541,16 @@ def main(argv=None):
     if m:
       lines.append(
           f"- {LABELS['onebit_compression']}, 1 Gbit/s, {n} ranks: {m['achieved']:.2f}x Adam's "
-          f"throughput (issue 9's goal: >= 3x); the alpha-beta model with the measured compute "
-          f"predicts {m['predicted']:.2f}x (measured/model {m['achieved'] / m['predicted']:.0%}).")
+          f"throughput (target: >= 5x; issue 9's earlier goal >= 3x): "
+          f"**{'PASS' if m['achieved'] >= 5 else 'FAIL'}**; the alpha-beta model with the "
+          f"measured compute predicts {m['predicted']:.2f}x (measured/model "
+          f"{m['achieved'] / m['predicted']:.0%}).")
+    gs = goal[0]["summary"]
+    if "onebit_warmup" in gs:
+      w = gs["adam"]["step_s"] / gs["onebit_warmup"]["step_s"]
+      lines.append(
+          f"- {LABELS['onebit_warmup']}, 1 Gbit/s, {n} ranks: {w:.2f}x Adam's throughput "
+          f"(target: >= 0.95x): **{'PASS' if w >= 0.95 else 'FAIL'}**.")
     lines.append("")
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -492,7 +559,8 @@ def main(argv=None):
   stem = args.name or ("comm_throughput_rates" if args.rates else "comm_throughput")
   (out_dir / f"{stem}.md").write_text(text + "\n")
   (out_dir / f"{stem}.json").write_text(json.dumps(
-      {"runs": runs, "compute": compute, "args": vars(args)}, indent=1, default=str))
+      {"runs": runs, "compute": compute, "args": vars(args), "commit": _git_commit(),
+       "load_start": start_load, "load_end": end_load}, indent=1, default=str))
   print(f"wrote {out_dir / (stem + '.md')}")
   _plot(runs, out_dir / f"{stem}.png")
 
@@ -601,25 +669,27 @@ def _hier_summary(results: list[dict], ranks_per_node: int) -> dict:
 def _hier_predicted(num_params: int, leaf_shapes: list, n: int, nodes: int) -> dict:
   """Bytes per device per step on the links between nodes, and what each assumes.
 
-  Hierarchical: the node-level compressed_mean of the device's 1/k slice
-  (padded / k elements over ``nodes`` nodes): compressed_wire_bytes(padded/k,
-  nodes, S). Adam: a ring all-reduce over the ranks in order crosses between
-  nodes on ``nodes`` of its n edges. Flat 1-bit: phase 1 (all_to_all) sends
+  Hierarchical (core v3: every leaf compressed, exact_below = 0): the
+  node-level 1-bit mean of the device's 1/k slice of the sign stream (padded / k
+  elements over ``nodes`` nodes): compressed_wire_bytes(padded/k, nodes, S).
+  Adam and the flat warmup: a ring all-reduce of the unpadded tree over the
+  ranks in order crosses between nodes on ``nodes`` of its n edges. Flat 1-bit
+  (exact leaves as float32, row_bytes per message): phase 1 (all_to_all) sends
   one message to each remote peer, phase 2 (a ring all_gather, n-1 messages on
   every edge) crosses on ``nodes`` of n edges.
   """
   import onebit_optax
-  layout = _layout(leaf_shapes, n)
+  hier = _layout(leaf_shapes, n, exact_below=0).bits
+  msg = _layout(leaf_shapes, n).row_bytes
   k = n // nodes
-  msg = layout.padded / (8 * n) + 4 * layout.max_segments
   remote = n - k
   return {
       "hier_compression": onebit_optax.compressed_wire_bytes(
-          layout.padded // k, nodes, layout.max_segments),
+          hier.padded // k, nodes, hier.max_segments),
       "adam": onebit_optax.allreduce_wire_bytes(num_params, n) * nodes / n,
-      "onebit_warmup": onebit_optax.allreduce_wire_bytes(layout.padded, n) * nodes / n,
+      "onebit_warmup": onebit_optax.allreduce_wire_bytes(num_params, n) * nodes / n,
       "onebit_compression": remote * msg + (n - 1) * msg * nodes / n,
-      "padded": layout.padded, "max_segments": layout.max_segments,
+      "padded": hier.padded, "max_segments": hier.max_segments,
   }
 
 

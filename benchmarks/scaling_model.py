@@ -26,7 +26,8 @@ calibrated by the measured 4-rank CPU runs in benchmarks/results/
        t = t_fb + t_adam + t_cmp(N) + [reduce-scatter f32 over g: (g-1) alpha_l + 4D (g-1)/g / B_l]
            + [2(N-1) alpha + g * compressed_wire_bytes(D/g, N, S) / B_nic]
            + [all_gather u8 over g: (g-1) alpha_l + (g-1)(D/(8g) + 4 S N) / B_l]
-     1-bit warmup: Adam's all-reduce of D with the warmup's compute
+     1-bit warmup: Adam's all-reduce of the (unpadded, core v3) gradients with the warmup's
+       compute
      whole run with warmup fraction w: t_run = w t_warmup + (1-w) t_compression
 
    with t_cmp(m) = c (1 - f + f/m): the compression's extra compute c at n = 1
@@ -144,7 +145,7 @@ def step_times(params: int, n: int, segments: int, net: Net, c: Compute) -> dict
   g = min(net.g, n)
   t_adam = c.base + adam_comm(params, n, net)
   return {"adam": t_adam,
-          "warmup": c.base + c.warmup + adam_comm(d, n, net),
+          "warmup": c.base + c.warmup + adam_comm(params, n, net),  # core v3: the unpadded tree
           "flat": c.base + t_compress(c, n) + flat_comm(d, n, segments, net),
           "hier": c.base + t_compress(c, max(n // g, 1)) + hier_comm(d, n, segments, net)}
 
@@ -163,25 +164,58 @@ def load_json(name: str):
   return json.loads(path.read_text()) if path.exists() else None
 
 
+def _profile_get(p: dict, prefix: str):
+  return next((v for k, v in p.items() if k.startswith(prefix)), None)
+
+
+def server_seconds(doc) -> float | None:
+  """Core v3 profiles: the server of the whole vector on one rank (s at n = 1), else None."""
+  for run in (doc or {}).get("runs", []):
+    s1 = _profile_get(run.get("profile") or {}, "server alone, n=1")
+    if s1 is not None:
+      return s1
+  return None
+
+
 def server_fraction(doc) -> tuple[float, str]:
-  """f from the profile: t_cm(1) = w + s, t_cm(n) - t_a2a - t_ag = w + s/n  =>  s = ... n/(n-1)."""
+  """f, the server's part of the 1-bit extra compute at n = 1, from the profile.
+
+  Core v3 profiles time the pieces alone: f = s_1 / (rows + s_1) (rows: building
+  the messages of the whole tree; s_1: the server of the whole vector). Older
+  profiles: t_cm(1) = w + s, t_cm(n) - t_a2a - t_ag = w + s/n  =>  s = ... n/(n-1).
+  """
   for run in (doc or {}).get("runs", []):
     p, n = run.get("profile"), run["num_ranks"]
-    if p:
-      t1 = p["compressed_mean, no communication (n=1)"]
-      comm = p["all_to_all uint8 (phase 1)"] + p["all_gather uint8 (phase 2)"]
-      s = (t1 - p["compressed_mean, n ranks"] + comm) * n / (n - 1)
-      f = min(max(s / t1, 0.0), 1.0)
-      return f, f"measured (profile of comm_throughput.json, {run['short_label']}): f = {f:.2f}"
+    if not p:
+      continue
+    s1, rows = _profile_get(p, "server alone, n=1"), _profile_get(p, "rows alone")
+    if s1 is not None and rows is not None:
+      f = min(max(s1 / (rows + s1), 0.0), 1.0)
+      return f, (f"measured (profile of comm_throughput.json, {run['short_label']}: rows "
+                 f"{rows:.3f} s, server of the whole vector {s1:.3f} s): f = {f:.2f}")
+    t1 = p["compressed_mean, no communication (n=1)"]
+    comm = p["all_to_all uint8 (phase 1)"] + p["all_gather uint8 (phase 2)"]
+    s = (t1 - p["compressed_mean, n ranks"] + comm) * n / (n - 1)
+    f = min(max(s / t1, 0.0), 1.0)
+    return f, f"measured (profile of comm_throughput.json, {run['short_label']}): f = {f:.2f}"
   return 0.5, "ASSUMED f = 0.5 (no profile in comm_throughput.json)"
 
 
-def cpu_compute(doc, f: float) -> Compute:
-  """Compute-alone times of the 4 ranks (the run's own calibration)."""
+def cpu_compute(doc, f: float, server_s: float | None = None) -> Compute:
+  """Compute-alone times of the 4 ranks (the run's own calibration).
+
+  Core v3 runs (a ``wire_layout`` per run): a 1-device cluster has no server
+  phase, so the compute-alone compression step holds only the worker's part;
+  the server of the whole vector (``server_s``, the profile's, when known) is
+  added to c, and f becomes its share: t_cmp(n) = worker + s_1 / n.
+  """
   s = doc["compute"]["summary"]
   base = s["adam"]["step_s"]
-  return Compute(base, s["onebit_compression"]["step_s"] - base,
-                 s["onebit_warmup"]["step_s"] - base, f)
+  c = s["onebit_compression"]["step_s"] - base
+  v3 = any("wire_layout" in run for run in doc.get("runs", []))
+  if v3 and server_s:
+    c, f = c + server_s, server_s / (c + server_s)
+  return Compute(base, c, s["onebit_warmup"]["step_s"] - base, f)
 
 
 def cpu_ratios(path: Path = RESULTS / "optimizer_compute.md") -> tuple[float, float, str]:
@@ -210,12 +244,27 @@ def link_calibration(docs) -> tuple[float, float]:
 
 
 def run_layout(run) -> tuple[int, int]:
-  """(D, S) of a measured run, from the optimizer's own wire bytes: inverts
-  allreduce_wire_bytes(D, n) (warmup) and compressed_wire_bytes(D, n, S) (compression)."""
+  """(D, S) of a measured run, from the optimizer's own wire bytes.
+
+  Core v3 runs save their wire layout: D = the padded sign stream of the
+  compressed leaves, and S (inverting compressed_wire_bytes(D, n, S) = 2(n-1)
+  row_bytes) = scales + exact floats per message. Older runs: D inverts
+  allreduce_wire_bytes(D, n) of the (padded) warmup.
+  """
   n, s = run["num_ranks"], run["summary"]
-  d = round(s["onebit_warmup"]["state_wire_bytes"] / onebit_optax.allreduce_wire_bytes(1, n))
+  if "wire_layout" in run:
+    d = int(run["wire_layout"]["padded"])
+  else:
+    d = round(s["onebit_warmup"]["state_wire_bytes"] / onebit_optax.allreduce_wire_bytes(1, n))
   per_phase = s["onebit_compression"]["state_wire_bytes"] / (2 * (n - 1))
   return d, round((per_phase - d / (8 * n)) / 4)
+
+
+def warmup_size(run) -> int:
+  """Elements the warmup all-reduces: inverts allreduce_wire_bytes (v3: the unpadded tree)."""
+  n = run["num_ranks"]
+  return round(run["summary"]["onebit_warmup"]["state_wire_bytes"]
+               / onebit_optax.allreduce_wire_bytes(1, n))
 
 
 def validate_run(run, c: Compute) -> list[dict]:
@@ -224,7 +273,7 @@ def validate_run(run, c: Compute) -> list[dict]:
   d, segs = run_layout(run)
   net = Net(alpha=run["rtt_s"] / 2, nic=run["bandwidth_Bps"], g=1)
   t = step_times(run["num_params"], n, segs, net, c)
-  t["warmup"] = c.base + c.warmup + adam_comm(d, n, net)
+  t["warmup"] = c.base + c.warmup + adam_comm(warmup_size(run), n, net)
   compute = {"adam": c.base, "warmup": c.base + c.warmup, "flat": c.base + t_compress(c, n)}
   rows = []
   for mode, key in (("adam", "adam"), ("onebit_warmup", "warmup"), ("onebit_compression", "flat")):
@@ -235,13 +284,19 @@ def validate_run(run, c: Compute) -> list[dict]:
   return rows
 
 
-def validate(docs, f: float) -> list[dict]:
-  """All measured 4-rank runs of comm_throughput.json and comm_throughput_rates.json."""
+def validate(docs, f: float, server_s: float | None = None) -> list[dict]:
+  """All measured 4-rank runs of comm_throughput.json and comm_throughput_rates.json.
+
+  ``server_s``: the server of the whole vector on one rank (core v3 runs; default:
+  from the profile of comm_throughput.json).
+  """
+  if server_s is None:
+    server_s = server_seconds(docs.get("comm_throughput.json"))
   rows = []
   for name, doc in docs.items():
     if doc is None:
       continue
-    c = cpu_compute(doc, f)
+    c = cpu_compute(doc, f, server_s)
     for run in doc["runs"]:
       for r in validate_run(run, c):
         rows.append({"file": name, **r})
@@ -487,7 +542,7 @@ def main(argv=None):
   if a.query:
     print(query_line(predict_table(a.params_list[0], a, cal)[0], a))
     return
-  val = validate(docs, cal["f"])
+  val = validate(docs, cal["f"], server_seconds(docs["comm_throughput.json"]))
   hdoc = hier_measured()
   try:
     hier = validate_hier(hdoc, cal["f"], a.hier_local_gbps * 1e9) if hdoc else None
