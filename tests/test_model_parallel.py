@@ -16,13 +16,16 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
+import _flat
 import _hlo
 
 DATA, MODEL = 4, 2
 D, H, BATCH = 16, 64, 32
 FREEZE = 10  # last warmup step
 LR = 1e-2
-PADDED = 1536  # the flat buffer of one model shard's leaves (test_state_layout)
+# One model shard's leaves, in flattening order: b1 (32), b2, ln.bias, ln.scale (16 each),
+# w1 (16 x 32), w2 (32 x 16). The four small ones travel as float32, w1 and w2 compressed.
+LOCAL_SIZES = [32, 16, 16, 16, 512, 512]
 FAST_CODEGEN = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 # Megatron-style MLP: LayerNorm (replicated), W1 split by columns, b1 split,
@@ -80,7 +83,8 @@ def mesh():
 
 def _model_parallel_step(mesh, tx, opt_state, raw=False):
   """The README recipe. ``raw=True``: return every device's params and updates (no retyping)."""
-  state_specs = onebit_optax.state_partition_specs(opt_state, "data", model_axis="model")
+  state_specs = onebit_optax.state_partition_specs(opt_state, "data", model_axis="model",
+                                                    param_specs=PARAM_SPECS)
   per_device = P(("data", "model"))
   out_specs = ((per_device, per_device) if raw else (PARAM_SPECS, state_specs, P()))
 
@@ -160,18 +164,34 @@ def run(mesh, setup):
 
 def test_state_layout(mesh, setup):
   state = setup["opt_state"][0]
-  # Local shards, each leaf on whole blocks of 128: ln 2 x 16 (2 blocks), w1 16 x 32 (4),
-  # b1 32 (1), w2 32 x 16 (4), b2 16 (1): 12 blocks, a multiple of 4 data devices:
-  # 1536 elements per model shard.
-  assert state.mu.shape == (MODEL * PADDED,) and state.mu.sharding.spec == P("model")
-  assert state.worker_error.shape == (DATA * MODEL, PADDED)
-  assert state.worker_error.sharding.spec[0] == ("data", "model")
-  assert state.server_error.shape == (DATA * MODEL, PADDED // DATA)
-  assert state.count.sharding.is_fully_replicated and state.leaf_sizes.sharding.is_fully_replicated
-  # Row data * MODEL + model of the global error buffer is device (data, model).
-  for shard in state.worker_error.addressable_shards:
-    row = shard.index[0].start
-    assert mesh.devices[row // MODEL, row % MODEL] == shard.device
+  # mu and nu are shaped like the (global) parameters and sharded like them.
+  for moments in (state.mu, state.nu):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(moments):
+      param = _at(setup["params"], path)
+      assert leaf.shape == param.shape, path
+      assert leaf.sharding.is_equivalent_to(param.sharding, leaf.ndim), path
+  # Per device: what it compressed last, one entry per compressed leaf (its local shard
+  # of w1 and w2), and their scales; globally one row per device, row data * MODEL + model.
+  per_device = ("data", "model")
+  assert [u.shape for u in state.local_momentum] == [(DATA * MODEL, D, H // MODEL),
+                                                     (DATA * MODEL, H // MODEL, D)]
+  assert state.worker_scale.shape == (DATA * MODEL, 2) and state.worker_error is None
+  bits = _flat.Bits([512, 512], DATA)  # the compressed leaves' stream, in 4 chunks
+  assert state.server_error.shape == (DATA * MODEL, bits.chunk)
+  for buffer in (*state.local_momentum, state.worker_scale, state.server_error):
+    assert buffer.sharding.spec[0] == per_device
+  # The message and the per-leaf norms differ across 'model' (each shard its own).
+  assert state.momentum_message.shape == (MODEL * DATA, _flat.onebit_row_bytes(LOCAL_SIZES, DATA))
+  by_model = NamedSharding(mesh, P("model"))
+  assert state.momentum_message.sharding.is_equivalent_to(by_model, 2)
+  assert state.nu_l1.shape == (MODEL * len(LOCAL_SIZES),)
+  assert state.nu_l1.sharding.is_equivalent_to(by_model, 1)
+  assert state.count.sharding.is_fully_replicated and state.frozen.sharding.is_fully_replicated
+  # Row data * MODEL + model of a global per-device buffer is device (data, model).
+  for buffer in (state.local_momentum[0], state.server_error):
+    for shard in buffer.addressable_shards:
+      row = shard.index[0].start
+      assert mesh.devices[row // MODEL, row % MODEL] == shard.device
 
 
 def test_warmup_matches_the_replicated_model(mesh, run):
@@ -232,9 +252,10 @@ def test_compression_sends_only_uint8_over_data(mesh, setup):
   for c in large(phases.compression):
     assert c.dtypes == {"u8"} and c.group_size == DATA, str(c)
     _assert_data_groups(mesh, c)
-  # Warmup: the float32 mean over 'data' of the local flat buffer.
+  # Warmup: the float32 mean over 'data' of the local gradient shards (the leaves'
+  # all-reduces combined into one).
   assert [(c.collective, c.size, c.group_size) for c in large(phases.warmup)] == [
-      ("all-reduce", PADDED, DATA)], [str(c) for c in phases.warmup]
+      ("all-reduce", sum(LOCAL_SIZES), DATA)], [str(c) for c in phases.warmup]
   # Outside the switch, nothing large goes over 'data' (the gradients are local); over
   # 'model' go the activations' psum, its transpose and the replicated leaves' gather
   # (one, of ln and b2 together).
@@ -290,3 +311,17 @@ def test_init_sharded_refuses_inconsistent_param_specs(mesh):
   with pytest.raises(ValueError, match="not an axis of the mesh"):
     onebit_optax.init_sharded(tx, params, mesh, "data", param_specs=PARAM_SPECS,
                               model_axis="tensor")
+
+
+def test_status_counts_the_bytes_of_one_model_shard(run):
+  # Each device sends its own model shard's messages over 'data': the counts are per
+  # device, from the local shards (the model axis is not part of the data mesh).
+  s = onebit_optax.status(run["opt_state"], onebit_optax.fixed_step_freeze(FREEZE))
+  steps = 3 * FREEZE
+  assert (s.phase, s.step, s.freeze_step) == ("compression", steps, FREEZE)
+  assert s.bytes_exact and s.replicas_agree
+  warmup = onebit_optax.allreduce_wire_bytes(sum(LOCAL_SIZES), DATA)
+  compression = 2 * (DATA - 1) * _flat.onebit_row_bytes(LOCAL_SIZES, DATA)
+  assert s.bytes_sent == pytest.approx(FREEZE * warmup + (steps - FREEZE) * compression)
+  assert s.adam_bytes == pytest.approx(steps * warmup)
+  assert float(onebit_optax.wire_bytes(run["opt_state"])) == compression
