@@ -373,7 +373,7 @@ def _updates(hp: _Hyper, plan: _Plan, grads, state, ex: _Exchange, mo: _Moments,
   out = []
   for i, g in enumerate(grads):
     if plan.kind(i)[0] == "z":
-      out.append(jnp.zeros_like(g))
+      out.append(jnp.zeros(jnp.shape(g), g.dtype))  # replicated, as every other update
       continue
     mean = jnp.where(state.frozen, _old_mean(plan, ex.gathered, i, jnp.shape(g)),
                      mo.mu[i].astype(F32))
@@ -574,7 +574,7 @@ def _update(updates, state, hp: _Hyper, axis_name, model_axis):
   unflatten = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
   new_state = ScaleByOnebitAdamState(
       count=pick(count_inc, state.count), mu=unflatten(mo.mu), nu=unflatten(mo.nu),
-      nu_l1=mo.nu_l1, local_momentum=local, worker_scale=pick(scale, state.worker_scale),
+      nu_l1=pick(mo.nu_l1, state.nu_l1), local_momentum=local, worker_scale=pick(scale, state.worker_scale),
       feedback_valid=jnp.where(state.frozen, finite, freeze_now | state.feedback_valid),
       worker_error=ex.worker_error, server_error=ex.server_error,
       momentum_message=pick(message, state.momentum_message),
