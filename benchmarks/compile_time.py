@@ -1,0 +1,196 @@
+"""Trace, lower and compile time of the shard_map'd train step: 1-bit Adam vs Adam + pmean.
+
+    .venv/bin/python benchmarks/compile_time.py                       # 300 and 1000 leaves
+    .venv/bin/python benchmarks/compile_time.py --leaves 300 --repeats 3
+
+On 8 simulated host devices (``--xla_force_host_platform_device_count=8``), for
+trees of 300 and 1000 leaves of 1000 float32 elements, the train step
+
+    @jax.jit(donate_argnums=(0, 1)) over jax.shard_map(mesh of 8, axis 'data'):
+      grads = onebit_optax.local_params(grads, 'data')   # [adam: then jax.lax.pmean]
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+
+is traced (``jitted.trace``), lowered (``.lower()``) and compiled
+(``.compile()``) from abstract arguments, for ``onebit_optax.onebit_adam``
+(warmup and compression are one program: the phase switch is a ``cond``) and
+``optax.adam`` on the ``pmean`` of the gradients. Each repeat builds a fresh
+function (no tracing or compilation cache hit); contestants alternate;
+medians reported. Goal: 1-bit / adam <= 1.5 (total).
+
+Writes benchmarks/results/compile_time.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEVICES = 8
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={DEVICES}").strip()
+
+import jax  # noqa: E402  (XLA_FLAGS must be set first)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import onebit_optax  # noqa: E402
+
+AXIS = "data"
+LEAF = 1000
+GOAL = 1.5
+RESULTS = Path(__file__).parent / "results"
+
+
+def _parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--leaves", default="300,1000", help="comma-separated leaf counts (default 300,1000)")
+  p.add_argument("--repeats", type=int, default=2, help="fresh trace+lower+compile per contestant")
+  p.add_argument("--append", action="store_true",
+                 help="keep the rows of earlier runs (from the .json) and add this run's")
+  p.add_argument("--out", default=str(RESULTS / "compile_time.md"))
+  return p.parse_args(argv)
+
+
+def _tree(leaves: int):
+  return {f"w{i:04d}": jax.ShapeDtypeStruct((LEAF,), jnp.float32) for i in range(leaves)}
+
+
+def _step(tx, mesh, state_specs, onebit: bool):
+  def body(params, state, grads):
+    grads = onebit_optax.local_params(grads, AXIS)
+    if not onebit:
+      grads = jax.lax.pmean(grads, AXIS)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), state_specs, P()),
+                               out_specs=(P(), state_specs)), donate_argnums=(0, 1))
+
+
+def _abstract_args(name, tx, tree, mesh):
+  """(step, abstract params, state, grads) carrying their shardings."""
+  onebit = name != "adam"
+  if onebit:
+    local = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
+                                         check_vma=False), tree)
+    specs = onebit_optax.state_partition_specs(local, AXIS)
+    state = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=specs),
+                           tree)
+  else:
+    state = jax.eval_shape(tx.init, tree)
+    specs = jax.tree.map(lambda _: P(), state)
+  put = lambda t, sp: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)), t, sp)
+  replicated = jax.tree.map(lambda _: P(), tree)
+  return _step(tx, mesh, specs, onebit), put(tree, replicated), put(state, specs), put(tree, replicated)
+
+
+def measure(name: str, leaves: int, mesh) -> dict:
+  tx = (optax.adam(1e-3) if name == "adam"
+        else onebit_optax.onebit_adam(1e-3, axis_name=AXIS, freeze=100))
+  tree = _tree(leaves)
+  t0 = time.perf_counter()
+  step, params, state, grads = _abstract_args(name, tx, tree, mesh)
+  traced = step.trace(params, state, grads)
+  t1 = time.perf_counter()
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  lowered.compile()
+  t3 = time.perf_counter()
+  return {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2, "total_s": t3 - t0}
+
+
+def _git_commit() -> str:
+  try:
+    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, check=True).stdout.strip()
+    dirty = run("status", "--porcelain", "--", "../onebit_optax")
+    return run("rev-parse", "--short", "HEAD") + (" + uncommitted onebit_optax changes" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def main():
+  args = _parse_args(sys.argv[1:])
+  jax.config.update("jax_enable_compilation_cache", False)
+  load = os.getloadavg()
+  mesh = jax.make_mesh((DEVICES,), (AXIS,))
+  json_path = Path(args.out).with_suffix(".json")
+  old = json.loads(json_path.read_text()) if args.append and json_path.exists() else {"runs": [], "rows": []}
+  old.setdefault("runs", [{k: old[k] for k in ("command", "commit", "load_start", "load_end") if k in old}])
+  run = {"command": shlex.join(["python", "benchmarks/compile_time.py", *sys.argv[1:]]),
+         "commit": _git_commit(), "load_start": list(load)}
+  runs_meta = old["runs"] + [run]
+  rows = list(old["rows"])
+  for r in rows:
+    r.setdefault("run", 1)
+  for leaves in [int(x) for x in args.leaves.split(",") if x]:
+    runs = {"adam": [], "onebit": []}
+    for _ in range(args.repeats):
+      for name in runs:
+        r = measure(name, leaves, mesh)
+        runs[name].append(r)
+        print(f"{leaves} leaves, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items())
+              + f"  load {os.getloadavg()[0]:.2f}", flush=True)
+    med = {name: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for name, rs in runs.items()}
+    rows.append({"leaves": leaves, "repeats": args.repeats, "median": med, "all": runs,
+                 "run": len(runs_meta)})
+    run["load_end"] = list(os.getloadavg())
+    _write(args, runs_meta, rows)  # after each tree: a partial table survives an interrupted run
+
+
+def _write(args, runs_meta, rows):
+  lines = [
+      "#### Compile time of the train step: 1-bit Adam vs Adam + pmean, 8 devices",
+      "",
+      f"jax {jax.__version__}, optax {optax.__version__}, onebit_optax {onebit_optax.__version__}, "
+      f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (shared). Runs:",
+      "",
+  ]
+  for i, m in enumerate(runs_meta):
+    fmt = lambda x: " ".join(f"{v:.2f}" for v in x) if x else "?"
+    lines.append(f"- run {i + 1}: `{m.get('command', '?')}` (commit {m.get('commit', '?')}); load "
+                 f"average (1/5/15 min) at start {fmt(m.get('load_start'))}, at end "
+                 f"{fmt(m.get('load_end'))}.")
+  lines += [
+      "",
+      f"Seconds to trace (`jit(...).trace`, including building the abstract state), lower and "
+      f"compile the `jax.jit(jax.shard_map(step), donate_argnums=(0, 1))` train step on "
+      f"{DEVICES} simulated host devices, from abstract arguments; leaves of {LEAF} float32 "
+      f"elements. 1-bit Adam: `onebit_adam(axis_name='data')`, one program for both phases, "
+      f"local gradients (`local_params`); Adam: `optax.adam` on `jax.lax.pmean` of them. "
+      f"Median of the repeats, a fresh function each time, contestants alternating. "
+      f"Goal: 1-bit/adam <= {GOAL} (total).",
+      "",
+      "| leaves | run | repeats | adam trace | adam lower | adam compile | **adam total** | 1-bit trace "
+      "| 1-bit lower | 1-bit compile | **1-bit total** | **ratio** | goal met |",
+      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+  ]
+  for r in rows:
+    a, o = r["median"]["adam"], r["median"]["onebit"]
+    ratio = o["total_s"] / a["total_s"]
+    r["ratio"] = ratio
+    lines.append(
+        f"| {r['leaves']} | {r['run']} | {r['repeats']} | {a['trace_s']:.2f} | {a['lower_s']:.2f} | "
+        f"{a['compile_s']:.2f} | **{a['total_s']:.2f}** | {o['trace_s']:.2f} | {o['lower_s']:.2f} | "
+        f"{o['compile_s']:.2f} | **{o['total_s']:.2f}** | **{ratio:.2f}x** | "
+        f"{'yes' if ratio <= GOAL else '**no**'} |")
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text("\n".join(lines) + "\n")
+  out.with_suffix(".json").write_text(json.dumps(
+      {"jax": jax.__version__, "runs": runs_meta, "rows": rows}, indent=1) + "\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
