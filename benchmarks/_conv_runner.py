@@ -57,8 +57,11 @@ def _zero_error_feedback(opt_state):
   """
   def zero(s):
     if isinstance(s, onebit_optax.ScaleByOnebitAdamState):
-      fields = {k: jnp.zeros_like(v) for k, v in s._asdict().items() if "error" in k}
-      return s._replace(**fields)
+      # core v3: the worker's error is formed from local_momentum only while
+      # feedback_valid holds; the server's (and the hierarchical worker's) are buffers.
+      fields = {k: jnp.zeros_like(v) for k, v in s._asdict().items()
+                if "error" in k and v is not None}
+      return s._replace(feedback_valid=jnp.zeros_like(s.feedback_valid), **fields)
     return s
   return jax.tree.map(zero, opt_state,
                       is_leaf=lambda s: isinstance(s, onebit_optax.ScaleByOnebitAdamState))
