@@ -126,7 +126,9 @@ def onebit_exchange(rows: jax.Array, server_error, layout: _layout.WireLayout, a
   of one compressed vector is that vector, ``rows`` itself.
   """
   if axes.n_slow == 1:
-    return rows, server_error, _all_true(gathered_finite(rows, layout.bits), axes.model)
+    # A 1-device mesh: the gather over it only retypes the row as replicated.
+    gathered = rows if axes.slow is None else _gather(rows[0], axes.slow, None)
+    return gathered, server_error, _all_true(gathered_finite(gathered, layout.bits), axes.model)
   received = jax.lax.all_to_all(rows, axes.slow, split_axis=0, concat_axis=0, tiled=True)
   old = server_error[0].astype(jnp.float32)
   served = serve(received, old, layout.bits, exact_chunk=layout.exact_chunk,
