@@ -431,6 +431,49 @@ def _zeros(abstract):
                  out_shardings=abstract.sharding)()
 
 
+def _read_record(ocp, manager, step):
+  """The step to restore (the latest when None), a phrase naming it, and its onebit record."""
+  if step is None:
+    step = manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"restore_checkpoint: no checkpoint in {manager.directory}.")
+  elif step not in manager.all_steps():
+    raise FileNotFoundError(
+        f"restore_checkpoint: no step {step} in {manager.directory}; it holds steps "
+        f"{sorted(manager.all_steps())}.")
+  where = f"the checkpoint of step {step} in {manager.directory}"
+  not_ours = (f"restore_checkpoint: {where} has no onebit_optax record (item {_META!r}); it "
+              "was not written by onebit_optax.save_checkpoint.")
+  try:
+    metadata = manager.restore(
+        step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(not_ours) from e
+  if not isinstance(metadata, dict):
+    raise ValueError(not_ours)
+  return step, where, metadata
+
+
+def _saved_item(ocp, target, buffers):
+  """The restore target on another mesh: the message as saved (moved later), no per-device buffers.
+
+  The per-device buffers get an Orbax placeholder: Orbax would happily reshard
+  them onto the new devices.
+  """
+  placeholder = lambda name: None if buffers[name] is None else ocp.PLACEHOLDER
+
+  def as_saved(state):
+    return state._replace(
+        local_momentum=(None if buffers["local_momentum"] is None
+                        else tuple(ocp.PLACEHOLDER for _ in buffers["local_momentum"])),
+        worker_scale=ocp.PLACEHOLDER, worker_error=placeholder("worker_error"),
+        server_error=placeholder("server_error"),
+        momentum_message=jax.ShapeDtypeStruct(
+            tuple(buffers["momentum_message"]), jnp.uint8,
+            sharding=state.momentum_message.sharding))
+  return _with_state(target, as_saved)
+
+
 def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = None,
                        axis_name: Hashable = "data", *, step: Optional[int] = None):
   """Restores what :func:`save_checkpoint` saved, placed for ``mesh``, checking that it fits.
@@ -497,27 +540,7 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
   ocp = _orbax()
   manager, owned = _open(directory_or_manager, create=False)  # reading creates nothing
   try:
-    where = f"the checkpoint in {manager.directory}"
-    if step is None:
-      step = manager.latest_step()
-      if step is None:
-        raise FileNotFoundError(f"restore_checkpoint: no checkpoint in {manager.directory}.")
-    elif step not in manager.all_steps():
-      raise FileNotFoundError(
-          f"restore_checkpoint: no step {step} in {manager.directory}; it holds steps "
-          f"{sorted(manager.all_steps())}.")
-    where = f"the checkpoint of step {step} in {manager.directory}"
-    try:
-      metadata = manager.restore(
-          step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
-    except Exception as e:  # pylint: disable=broad-except
-      raise ValueError(
-          f"restore_checkpoint: {where} has no onebit_optax record (item {_META!r}); it "
-          "was not written by onebit_optax.save_checkpoint.") from e
-    if not isinstance(metadata, dict):
-      raise ValueError(
-          f"restore_checkpoint: {where} has no onebit_optax record (item {_META!r}); it "
-          "was not written by onebit_optax.save_checkpoint.")
+    step, where, metadata = _read_record(ocp, manager, step)
 
     target = abstract_state(tx, params, mesh, axis_name)
     param_sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
@@ -535,21 +558,7 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
     if same_mesh:
       item = target
     else:
-      # Read as saved: the message (replicated here, moved below); the
-      # per-device buffers not at all (an Orbax placeholder, since Orbax would
-      # happily reshard them onto the new devices).
-      buffers = saved_layout["buffers"]
-      placeholder = lambda name: None if buffers[name] is None else ocp.PLACEHOLDER
-      def as_saved(state):
-        return state._replace(
-            local_momentum=(None if buffers["local_momentum"] is None
-                            else tuple(ocp.PLACEHOLDER for _ in buffers["local_momentum"])),
-            worker_scale=ocp.PLACEHOLDER, worker_error=placeholder("worker_error"),
-            server_error=placeholder("server_error"),
-            momentum_message=jax.ShapeDtypeStruct(
-                tuple(buffers["momentum_message"]), jnp.uint8,
-                sharding=state.momentum_message.sharding))
-      item = _with_state(target, as_saved)
+      item = _saved_item(ocp, target, saved_layout["buffers"])
     as_args = lambda x: (ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
                                               dtype=x.dtype)
                          if isinstance(x, jax.ShapeDtypeStruct) else x)
