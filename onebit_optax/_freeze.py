@@ -304,7 +304,7 @@ def freeze_decision(policy: FreezePolicy, count, nu_hat_l1, reference_l1, ratio,
 
 
 def reads_norm(policy: FreezePolicy, count, b2) -> jax.Array:
-  """Whether warmup step ``count`` needs :math:`\lVert v \rVert_1`: a check, or a step where the policy may fire.
+  r"""Whether warmup step ``count`` needs :math:`\lVert v \rVert_1`: a check, or a step where the policy may fire.
 
   Elsewhere the norm is not read (the ratio is measured only at checks), so
   the optimizer skips its pass over ``nu``.
