@@ -26,6 +26,8 @@ from onebit_optax._onebit_adam import adam_update_bound
 from onebit_optax._onebit_adam import onebit_adam
 from onebit_optax._onebit_adam import scale_by_onebit_adam
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
+from onebit_optax._partition import mean_updates
+from onebit_optax._partition import set_to_zero
 from onebit_optax._accessors import skipped_steps
 from onebit_optax._accessors import variance_ratio
 from onebit_optax._accessors import wire_bytes
@@ -58,6 +60,7 @@ __all__ = (
     "init_sharded",
     "is_frozen",
     "local_params",
+    "mean_updates",
     "model_replicated",
     "moments",
     "onebit_adam",
@@ -66,6 +69,7 @@ __all__ = (
     "restore_checkpoint",
     "save_checkpoint",
     "scale_by_onebit_adam",
+    "set_to_zero",
     "ScaleByOnebitAdamState",
     "sign_compress",
     "skipped_steps",
