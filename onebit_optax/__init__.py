@@ -16,6 +16,7 @@ from onebit_optax._collective import compressed_wire_bytes
 from onebit_optax._compressor import padded_size
 from onebit_optax._compressor import sign_compress
 from onebit_optax._compressor import sign_decompress
+from onebit_optax._freeze import DefaultFreezeWarning
 from onebit_optax._freeze import FixedStepFreeze
 from onebit_optax._freeze import fixed_step_freeze
 from onebit_optax._freeze import VarianceRatioFreeze
@@ -38,6 +39,13 @@ from onebit_optax._sharding import state_partition_specs
 from onebit_optax._status import assert_replicas_identical
 from onebit_optax._status import replicas_identical
 from onebit_optax._status import status
+from onebit_optax._zero_one_adam import scale_by_zero_one_adam
+from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
+from onebit_optax._zero_one_adam import zero_one_adam
+from onebit_optax._zero_one_sharding import init_zero_one_sharded
+from onebit_optax._zero_one_sharding import zero_one_local_params
+from onebit_optax._zero_one_sharding import zero_one_partition_specs
+from onebit_optax._zero_one_sharding import zero_one_phase
 
 __version__ = "0.1.0"
 
@@ -54,10 +62,12 @@ __all__ = (
     "compressed_trace",
     "CompressedTraceState",
     "compressed_wire_bytes",
+    "DefaultFreezeWarning",
     "fixed_step_freeze",
     "FixedStepFreeze",
     "freeze_step",
     "init_sharded",
+    "init_zero_one_sharded",
     "is_frozen",
     "local_params",
     "mean_updates",
@@ -71,6 +81,8 @@ __all__ = (
     "scale_by_onebit_adam",
     "set_to_zero",
     "ScaleByOnebitAdamState",
+    "scale_by_zero_one_adam",
+    "ScaleByZeroOneAdamState",
     "sign_compress",
     "skipped_steps",
     "sign_decompress",
@@ -80,4 +92,8 @@ __all__ = (
     "variance_ratio_freeze",
     "VarianceRatioFreeze",
     "wire_bytes",
+    "zero_one_adam",
+    "zero_one_local_params",
+    "zero_one_partition_specs",
+    "zero_one_phase",
 )

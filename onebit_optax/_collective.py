@@ -67,18 +67,32 @@ def axis_size(axis_name: AxisName, *, caller: str = "onebit_optax") -> int:
   try:
     return int(jax.lax.axis_size(axis_name))
   except NameError as e:
-    raise ValueError(
-        f"{caller}: axis_name={axis_name!r} is not bound here. With an axis name, "
-        "the optimizer must run inside the data-parallel region: call tx.init "
-        "and tx.update inside jax.shard_map(..., mesh=mesh) or jax.pmap(..., "
-        f"axis_name={axis_name!r}) (for shard_map, onebit_optax.init_sharded(tx, "
-        "params, mesh) does the init for you). For a single device without a "
-        "mesh, build the optimizer with axis_name=None. Under plain jax.jit with "
-        "sharding annotations (no shard_map) there are no per-device gradients: XLA "
-        "all-reduces them in float32 in the backward pass, leaving nothing for 1-bit "
-        "compression to save; put the training step inside jax.shard_map (README: "
-        "'Recipe: jax.shard_map', and 'Data × model meshes' for parameters sharded "
-        "over a model axis).") from e
+    raise ValueError(_unbound_message(axis_name, caller)) from e
+
+
+def _unbound_message(axis_name: AxisName, caller: str) -> str:
+  """Why ``axis_name`` is not bound: another axis is (names both), or no mapped region is."""
+  mesh = jax.sharding.get_abstract_mesh()
+  bound = list(getattr(mesh, "manual_axes", ()))
+  if bound:
+    names = ", ".join(f"{name!r} ({mesh.shape[name]} devices)" for name in bound)
+    return (
+        f"{caller}: axis_name={axis_name!r} is not bound here: the enclosing shard_map "
+        f"binds {names}, and the optimizer was built for {axis_name!r}. Build the optimizer "
+        f"with the mesh's data-parallel axis (e.g. axis_name={bound[0]!r}) or name that mesh "
+        f"axis {axis_names(axis_name)[0]!r}; init_sharded's axis_name must be the one the "
+        "optimizer was built with.")
+  return (
+      f"{caller}: axis_name={axis_name!r} is not bound here (no shard_map or pmap axis is). "
+      "With an axis name, the optimizer must run inside the data-parallel region: call "
+      "tx.init and tx.update inside jax.shard_map(..., mesh=mesh) or jax.pmap(..., "
+      f"axis_name={axis_name!r}) (for shard_map, onebit_optax.init_sharded(tx, params, "
+      "mesh) does the init for you). For a single device without a mesh, build the "
+      "optimizer with axis_name=None. Under plain jax.jit with sharding annotations (no "
+      "shard_map) there are no per-device gradients: XLA all-reduces them in float32 in "
+      "the backward pass, leaving nothing for 1-bit compression to save; put the training "
+      "step inside jax.shard_map (README: 'Recipe: jax.shard_map', and 'Data × model "
+      "meshes' for parameters sharded over a model axis).")
 
 
 class Axes(NamedTuple):

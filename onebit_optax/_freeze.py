@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Optional, Union
 
 import jax
@@ -11,6 +12,8 @@ import numpy as np
 __all__ = [
     "VarianceRatioFreeze",
     "FixedStepFreeze",
+    "DefaultFreezeWarning",
+    "warn_default_policy",
     "FreezePolicy",
     "variance_ratio_freeze",
     "fixed_step_freeze",
@@ -243,6 +246,31 @@ def fixed_step_freeze(step: int, *, interval: Optional[int] = None) -> FixedStep
         f"fixed_step_freeze(step={step}): at least one warmup step of plain Adam is "
         "needed to estimate the variance; use step >= 1.")
   return FixedStepFreeze(step, _check_interval(interval, caller))
+
+
+class DefaultFreezeWarning(UserWarning):
+  """``onebit_adam(axis_name=...)`` was built without ``freeze=``: when the default freezes.
+
+  Pass any ``freeze=`` (``variance_ratio_freeze()`` keeps the default) to say
+  what you want; ``warnings.simplefilter('ignore', DefaultFreezeWarning)``
+  silences it.
+  """
+
+
+def warn_default_policy(b2, caller: str, stacklevel: int) -> None:
+  """Warns at construction what the default policy will do: when it can first freeze."""
+  window = None if isinstance(b2, jax.core.Tracer) else round(1.0 / (1.0 - float(b2)))
+  when = (f"with b2={b2} it checks the variance every {window} steps (1/(1-b2)) and cannot "
+          f"freeze, i.e. start 1-bit compression, before step {2 * window}; a shorter run "
+          "is plain Adam with full-precision all-reduces" if window else
+          "it checks the variance every 1/(1-b2) steps and cannot freeze before 2/(1-b2)")
+  warnings.warn(
+      f"{caller}: freeze not given, so the default variance_ratio_freeze() applies: {when}. "
+      "For a shorter run pass freeze=onebit_optax.variance_ratio_freeze(min_steps=<the "
+      "learning-rate warmup>) (it then checks every min_steps/4 steps and may freeze from "
+      "min_steps on) or freeze=<a fixed step>; pass freeze=onebit_optax."
+      "variance_ratio_freeze() to keep the default without this warning.",
+      DefaultFreezeWarning, stacklevel=stacklevel + 1)
 
 
 def check_policy(policy) -> FreezePolicy:

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import optax
 
-__all__ = ["check_decay_rates", "check_mapped_region", "check_wrappers", "check_state_layout"]
+__all__ = ["check_decay_rates", "check_learning_rate", "check_nonnegative", "check_mapped_region",
+           "check_wrappers", "check_state_layout"]
 
 
 def _known(value) -> Optional[float]:
@@ -42,6 +43,49 @@ def check_decay_rates(b1, b2, eps, caller: str) -> None:
     raise ValueError(
         f"{caller}: eps={known!r} must be >= 0: it keeps the denominator "
         "sqrt(v) + eps away from zero.")
+
+
+def check_nonnegative(caller: str, **values) -> None:
+  """Refuses known values that are negative or not finite (``max_update``: also 0).
+
+  ``weight_decay < 0`` grows the weights every step, ``variance_floor < 0``
+  lets the frozen variance reach 0 (steps of ``1/eps``), ``max_update <= 0``
+  clips every post-freeze step to nothing or flips its sign: each diverges or
+  stalls with no error, so each is refused here.
+  """
+  why = {"weight_decay": "a negative decay grows the weights every step (0 disables it)",
+         "variance_floor": "the floor keeps the frozen variance away from 0 (0 disables it)",
+         "max_update": "it bounds every coordinate's step after the freeze; None uses "
+                       "adam_update_bound(b1, b2)"}
+  for name, value in values.items():
+    known = None if value is None else _known(value)
+    if known is None:
+      continue
+    strict = name == "max_update"
+    if not np.isfinite(known) or known < 0 or (strict and known == 0):
+      bound = "> 0" if strict else ">= 0"
+      raise ValueError(f"{caller}: {name}={known!r} must be finite and {bound}: {why[name]}.")
+
+
+def check_learning_rate(learning_rate, caller: str) -> None:
+  """Refuses a known learning rate (or a schedule's value at step 0) that is NaN, inf or < 0.
+
+  The learning rate is applied after 1-bit Adam (``optax.scale_by_learning_rate``),
+  so a NaN there turns every parameter into NaN in one step and the optimizer
+  only sees the NaN gradients that follow.
+  """
+  where = ""
+  if callable(learning_rate):
+    try:
+      learning_rate, where = learning_rate(0), " (the schedule's value at step 0)"
+    except Exception:  # pylint: disable=broad-except  # a schedule we cannot call here
+      return
+  known = _known(learning_rate)
+  if known is not None and not (np.isfinite(known) and known >= 0):
+    raise ValueError(
+        f"{caller}: learning_rate={known!r}{where} must be finite and >= 0: a NaN or "
+        "infinite learning rate turns every parameter into NaN in one step, and a negative "
+        "one climbs the loss (to maximise, negate the loss).")
 
 
 def _mapped_axes() -> dict:

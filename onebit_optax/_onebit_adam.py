@@ -11,6 +11,7 @@ import optax
 from optax._src import numerics
 
 from onebit_optax import _collective
+from onebit_optax import _config
 from onebit_optax import _freeze
 from onebit_optax import _guards
 from onebit_optax import _layout
@@ -586,6 +587,7 @@ def _update(updates, state, hp: _Hyper, axis_name, model_axis):
   return unflatten(updates), new_state
 
 
+@_config.records_config  # checkpoints record the hyperparameters (onebit_optax/_config.py)
 def scale_by_onebit_adam(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -692,7 +694,9 @@ def scale_by_onebit_adam(
       one (see :func:`compressed_mean`).
     freeze: when to switch: :func:`variance_ratio_freeze` (default, with
       ``min_steps=0``) or :func:`fixed_step_freeze` (an int ``k`` means
-      ``fixed_step_freeze(k)``).
+      ``fixed_step_freeze(k)``). Left at None with an ``axis_name``, a
+      :class:`DefaultFreezeWarning` says at construction when the default can
+      first freeze (step :math:`2/(1-\beta_2)`, 2000 for ``b2=0.999``).
     variance_floor: :math:`f`, the floor on the frozen :math:`\hat v` relative to
       the mean of its leaf (0 disables it).
     max_update: :math:`B`, the largest step of a coordinate after the freeze
@@ -739,6 +743,10 @@ def scale_by_onebit_adam(
     Kingma & Ba, `Adam <https://arxiv.org/abs/1412.6980>`_, ICLR 2015 (the bound).
   """
   _guards.check_decay_rates(b1, b2, eps, "scale_by_onebit_adam")
+  if freeze is None and axis_name is not None:
+    _freeze.warn_default_policy(b2, "scale_by_onebit_adam", stacklevel=2)
+  _guards.check_nonnegative("scale_by_onebit_adam", variance_floor=variance_floor,
+                            max_update=max_update)
   policy = _freeze.check_policy(_freeze.variance_ratio_freeze() if freeze is None else freeze)
   moment_dtype = _check_float_dtype("moment_dtype", moment_dtype)
   error_dtype = _check_float_dtype("error_dtype", error_dtype)
@@ -761,6 +769,7 @@ def scale_by_onebit_adam(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@_config.records_config
 def onebit_adam(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
@@ -803,7 +812,9 @@ def onebit_adam(
     axis_name: the data-parallel axis of ``shard_map``/``pmap``, or None; a
       pair ``(slow, fast)`` averages hierarchically (see
       :func:`scale_by_onebit_adam`).
-    freeze: :func:`variance_ratio_freeze` or :func:`fixed_step_freeze` (or an int).
+    freeze: :func:`variance_ratio_freeze` or :func:`fixed_step_freeze` (or an
+      int); None: the default ``variance_ratio_freeze()``, announced by a
+      :class:`DefaultFreezeWarning` when ``axis_name`` is set.
     variance_floor: floor on the frozen variance, relative to its leaf's mean
       (see :func:`scale_by_onebit_adam`).
     max_update: largest per-coordinate step after the freeze, before the
@@ -843,6 +854,11 @@ def onebit_adam(
     Loshchilov & Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, 2019.
   """
+  _guards.check_learning_rate(learning_rate, "onebit_adam")
+  if freeze is None and axis_name is not None:
+    _freeze.warn_default_policy(b2, "onebit_adam", stacklevel=2)
+    freeze = _freeze.variance_ratio_freeze()
+  _guards.check_nonnegative("onebit_adam", weight_decay=weight_decay)
   decay = (optax.identity() if isinstance(weight_decay, (int, float)) and weight_decay == 0.0
            else optax.add_decayed_weights(weight_decay))
   if mask is not None:

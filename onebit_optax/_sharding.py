@@ -292,6 +292,21 @@ def _check_param_specs(param_specs, axis_name, model_axis, caller: str) -> None:
         f"and to onebit_adam(..., model_axis=...)).")
 
 
+def _check_concrete(params, caller: str) -> None:
+  """Refuses abstract parameters (``jax.ShapeDtypeStruct``): ``init`` needs values to place."""
+  abstract = [jax.tree_util.keystr(path) for path, leaf in
+              jax.tree_util.tree_leaves_with_path(params)
+              if isinstance(leaf, jax.ShapeDtypeStruct)]
+  if abstract:
+    raise TypeError(
+        f"{caller}: the parameters are abstract (jax.ShapeDtypeStruct at {abstract[0]}"
+        f"{f' and {len(abstract) - 1} more' if len(abstract) > 1 else ''}): init_sharded "
+        "creates the state's arrays on the mesh and needs concrete parameters. For the "
+        "state's shapes and shardings without values (e.g. as the target of a checkpoint "
+        "restore), use onebit_optax.abstract_state(tx, params, mesh, axis_name), which "
+        "takes ShapeDtypeStructs.")
+
+
 def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data", *,
                  param_specs=None, model_axis: Optional[Hashable] = None):
   """Runs ``tx.init(params)`` under ``shard_map`` and returns a correctly sharded state.
@@ -343,6 +358,7 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data", *,
     `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_.
   """
   caller = "init_sharded"
+  _check_concrete(params, caller)
   _check_axes(mesh, axis_name, model_axis, caller)
   if param_specs is not None:
     _check_param_specs(param_specs, axis_name, model_axis, caller)

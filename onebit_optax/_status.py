@@ -286,6 +286,29 @@ def _num_params(params) -> Optional[int]:
   return int(sum(math.prod(np.shape(x)) for x in _leaves(params)))
 
 
+def _nonfinite_leaves(params) -> list:
+  """Paths of the floating-point leaves of ``params`` holding a NaN or an inf (values only)."""
+  bad = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if isinstance(leaf, jax.ShapeDtypeStruct) or not hasattr(leaf, "dtype"):
+      continue
+    if jnp.issubdtype(leaf.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(leaf))):
+      bad.append(jax.tree_util.keystr(path))
+  return bad
+
+
+def _params_notes(params) -> list:
+  bad = _nonfinite_leaves(params) if params is not None else []
+  if not bad:
+    return []
+  shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+  return [f"the parameters are not finite (NaN/inf in {len(bad)} leaves: {shown}): any step "
+          "skipped after that is its consequence (gradients of NaN parameters are NaN), not "
+          "its cause. 1-bit Adam's own output is bounded; look at what is applied after it: "
+          "the learning rate (a schedule that returns NaN or inf at some step) or a "
+          "transformation chained after onebit_adam, and restore the last good checkpoint"]
+
+
 # ------------------------------------------------------------------ the summary
 
 
@@ -318,7 +341,9 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
     freeze: the ``freeze=`` given to :func:`onebit_adam` (None: its default).
     b2: the ``b2`` given to :func:`onebit_adam` (sets the default interval).
     params: optional, the parameters 1-bit Adam optimizes (or their shapes):
-      checked against the state (a note if they differ). Not needed for the
+      checked against the state (a note if they differ) and, given values, for
+      NaN/inf (a note that names the leaves: a NaN learning rate shows up
+      here, not as a gradient problem). Not needed for the
       byte counts: the state's ``nu`` has the parameters' shapes, so Adam's
       bytes are exact without it.
     previous: the status of an earlier call: the notes then say how many of the
@@ -372,7 +397,9 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
     notes.append("the replicas' counters differ: the devices are not running one optimizer "
                  "(under pmap / shard_map(check_vma=False), build onebit_adam with "
                  "axis_name=<the mapped axis>)")
-  notes.extend(_skip_notes(step, skipped, previous))
+  param_notes = _params_notes(params)
+  notes.extend(param_notes)
+  notes.extend(_skip_notes(step, skipped, previous, blame_gradients=not param_notes))
   if not exact:
     notes.append("bytes sent are an estimate: the skipped steps of a run that froze are "
                  "charged at the 1-bit rate (the state does not record their phase)")
@@ -388,18 +415,20 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
       notes=tuple(notes))
 
 
-def _skip_notes(step, skipped, previous) -> list:
+def _skip_notes(step, skipped, previous, blame_gradients: bool = True) -> list:
   notes = []
   if skipped:
     notes.append(f"{skipped} of {step + skipped} steps were skipped for non-finite "
-                 "gradients (all devices together)")
+                 "gradients (all devices together)"
+                 + ("" if blame_gradients else " because the parameters are not finite"))
   if previous is not None:
     new_steps = step + skipped - previous.step - previous.skipped_steps
     new_skips = skipped - previous.skipped_steps
-    if new_steps > 0 and new_skips == new_steps:
+    if new_steps > 0 and new_skips == new_steps and blame_gradients:
       notes.append(f"every one of the last {new_steps} steps was skipped: the gradients are "
                    "not finite any more, the run has diverged (lower the learning rate, "
-                   "clip, or freeze later)")
+                   "clip, or freeze later; pass params= to see whether the parameters "
+                   "themselves went NaN)")
     elif new_skips > 0:
       notes.append(f"{new_skips} of the last {new_steps} steps were skipped")
   return notes

@@ -102,16 +102,19 @@ def test_gradient_shape_differs_from_state_shape():
   _assert_words(excinfo, "['w']: (4,)", "['w']: (3,)", "model changed", "re-init")
 
 
-def test_gradient_tree_differs_from_state_tree():
+def test_gradient_keys_or_shapes_differ_from_the_state():
   params = {"w": jnp.ones(3), "b": jnp.ones(2)}
   tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
   state = tx.init(params)
-  with pytest.raises(ValueError) as excinfo:
+  with pytest.raises(ValueError) as excinfo:  # a renamed key, which optax.adam refuses too
     tx.update({"w": jnp.ones(3), "c": jnp.ones(2)}, state, params)
   _assert_words(excinfo, "['c']", "['b']", "same keys", "re-init")
   with pytest.raises(ValueError) as excinfo:  # transposed: same size, other shape
     tx.update({"w": jnp.ones((3, 1)), "b": jnp.ones(2)}, state, params)
   _assert_words(excinfo, "(3, 1)", "not transposed")
+  with pytest.raises(ValueError) as excinfo:  # a plain list of the leaves
+    tx.update([jnp.ones(2), jnp.ones(3)], state, params)
+  _assert_words(excinfo, "[0]: (2,)", "['b']: (2,)", "same keys")
 
 
 def test_gradient_shape_change_is_caught_under_jit_too():
