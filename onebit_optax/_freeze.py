@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import NamedTuple, Optional, Union
 
@@ -257,7 +258,15 @@ class DefaultFreezeWarning(UserWarning):
   """
 
 
-def warn_default_policy(b2, caller: str, stacklevel: int) -> None:
+def _user_stacklevel() -> int:
+  """The ``stacklevel`` of the first caller outside onebit_optax, seen from the caller's frame."""
+  frame, level = sys._getframe(2), 2  # pylint: disable=protected-access
+  while frame is not None and frame.f_globals.get("__name__", "").startswith("onebit_optax"):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def warn_default_policy(b2, caller: str) -> None:
   """Warns at construction what the default policy will do: when it can first freeze."""
   window = None if isinstance(b2, jax.core.Tracer) else round(1.0 / (1.0 - float(b2)))
   when = (f"with b2={b2} it checks the variance every {window} steps (1/(1-b2)) and cannot "
@@ -270,7 +279,7 @@ def warn_default_policy(b2, caller: str, stacklevel: int) -> None:
       "learning-rate warmup>) (it then checks every min_steps/4 steps and may freeze from "
       "min_steps on) or freeze=<a fixed step>; pass freeze=onebit_optax."
       "variance_ratio_freeze() to keep the default without this warning.",
-      DefaultFreezeWarning, stacklevel=stacklevel + 1)
+      DefaultFreezeWarning, stacklevel=_user_stacklevel())
 
 
 def check_policy(policy) -> FreezePolicy:

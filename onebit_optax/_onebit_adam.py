@@ -744,7 +744,7 @@ def scale_by_onebit_adam(
   """
   _guards.check_decay_rates(b1, b2, eps, "scale_by_onebit_adam")
   if freeze is None and axis_name is not None:
-    _freeze.warn_default_policy(b2, "scale_by_onebit_adam", stacklevel=2)
+    _freeze.warn_default_policy(b2, "scale_by_onebit_adam")
   _guards.check_nonnegative("scale_by_onebit_adam", variance_floor=variance_floor,
                             max_update=max_update)
   policy = _freeze.check_policy(_freeze.variance_ratio_freeze() if freeze is None else freeze)
@@ -856,7 +856,7 @@ def onebit_adam(
   """
   _guards.check_learning_rate(learning_rate, "onebit_adam")
   if freeze is None and axis_name is not None:
-    _freeze.warn_default_policy(b2, "onebit_adam", stacklevel=2)
+    _freeze.warn_default_policy(b2, "onebit_adam")
     freeze = _freeze.variance_ratio_freeze()
   _guards.check_nonnegative("onebit_adam", weight_decay=weight_decay)
   decay = (optax.identity() if isinstance(weight_decay, (int, float)) and weight_decay == 0.0
