@@ -12,6 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 from onebit_optax import _accessors
+from onebit_optax import _ckpt_move
+from onebit_optax import _config
 from onebit_optax import _layout as _layout_mod
 from onebit_optax import _sharding
 from onebit_optax import _wire
@@ -111,12 +113,47 @@ def _device_axes(x, rows: int) -> list:
   return [int(rows)]
 
 
+def _model_shards(message) -> int:
+  """How many model shards the message's rows are split into (1 without a model axis)."""
+  sharding = getattr(message, "sharding", None)
+  if not isinstance(sharding, NamedSharding) or not len(sharding.spec) or sharding.spec[0] is None:
+    return 1
+  names = sharding.spec[0] if isinstance(sharding.spec[0], tuple) else (sharding.spec[0],)
+  return int(np.prod([sharding.mesh.shape[a] for a in names]))
+
+
+def _local_shape(x) -> tuple:
+  """The shape of one device's shard of ``x`` (its global shape when not sharded)."""
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    return tuple(int(d) for d in sharding.shard_shape(tuple(np.shape(x))))
+  return tuple(int(d) for d in np.shape(x))
+
+
+def _spec_str(x) -> str:
+  """``x``'s PartitionSpec, trailing Nones dropped (``P('model', None)`` is ``P('model')``)."""
+  sharding = getattr(x, "sharding", None)
+  entries = list(sharding.spec) if isinstance(sharding, NamedSharding) else []
+  while entries and entries[-1] is None:
+    entries.pop()
+  return str(P(*entries))
+
+
+def _mesh_of(x) -> Optional[dict]:
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    return {str(name): int(size) for name, size in sharding.mesh.shape.items()}
+  return None
+
+
 def _layout(opt_state) -> dict:
   """The mesh-dependent part of a state in the shard_map (or 1-device) layout, checked.
 
   Global shapes: each per-device buffer has one row per device, the gathered
-  ``momentum_message`` one row per chunk (as many as devices), and
-  ``worker_scale`` one column per compressed leaf, which fixes the wire layout.
+  ``momentum_message`` one row per chunk and model shard (``n`` chunks of
+  each of the ``M`` model shards' messages), and ``worker_scale`` one column
+  per compressed leaf, which fixes the wire layout of one model shard's
+  local leaves.
   """
   _, state = _find(opt_state)
   message, scale = np.shape(state.momentum_message), np.shape(state.worker_scale)
@@ -127,25 +164,24 @@ def _layout(opt_state) -> dict:
         f"has shape {np.shape(state.count)}, i.e. every field carries a leading device "
         "axis: a pmap state is not supported. Checkpoint the state of the shard_map "
         "training step (out_specs=onebit_optax.state_partition_specs(...)).")
-  sharding = getattr(state.momentum_message, "sharding", None)
-  if isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec):
-    raise ValueError(
-        "save_checkpoint: the 1-bit Adam state is sharded over a model-parallel axis "
-        f"(momentum_message has spec {sharding.spec}); checkpoints of data x model "
-        "meshes are not supported yet (abstract_state and restore_checkpoint know only "
-        "data-parallel meshes).")
-  n = message[0] if len(message) == 2 else 0
+  shards = _model_shards(state.momentum_message)
+  n = message[0] // shards if len(message) == 2 else 0
   rows = [np.shape(x)[0] if np.ndim(x) >= 1 else None
           for x in (state.worker_scale, state.worker_error, state.server_error, *(local or ()))
           if x is not None]
   nu = jax.tree.leaves(state.nu)
-  ok = len(message) == 2 and n >= 1 and len(scale) == 2 and all(r == n for r in rows)
+  local_nu = [_local_shape(v) for v in nu]
+  ok = (len(message) == 2 and n >= 1 and message[0] == n * shards and len(scale) == 2
+        and all(r == n * shards for r in rows))
   layout = None
   if ok:
-    layout = _accessors._layout_of(state.nu, state.momentum_message, scale[1])
+    tree = jax.tree.unflatten(jax.tree.structure(state.nu),
+                              [jax.ShapeDtypeStruct(s, jnp.float32) for s in local_nu])
+    layout = _accessors._layout_of(tree, jax.ShapeDtypeStruct((n, message[1]), jnp.uint8),
+                                   scale[1])
     ok = (layout.row_bytes == message[1] and len(layout.compressed) == scale[1]
           and (local is None or [tuple(np.shape(u)) for u in local]
-               == [(n,) + tuple(np.shape(nu[i])) for i in layout.compressed]))
+               == [(n * shards,) + local_nu[i] for i in layout.compressed]))
   if not ok:
     shapes = {name: (None if getattr(state, name) is None
                      else jax.tree.map(np.shape, getattr(state, name)))
@@ -159,9 +195,13 @@ def _layout(opt_state) -> dict:
         "supported.")
   error = next((x for x in (*(local or ()), state.worker_error, state.server_error)
                 if x is not None), None)
+  specs = [_spec_str(v) for v in jax.tree.leaves(state.mu)]
   return {
       "num_devices": int(n),
-      "device_axes": _device_axes(state.worker_scale, n),
+      "device_axes": _device_axes(state.worker_scale, n * shards),
+      "model_shards": int(shards),
+      "mesh": _mesh_of(state.worker_scale),
+      "param_specs": None if all(spec == "P()" for spec in specs) else specs,
       "compressed": [int(i) for i in layout.compressed],
       "error_dtype": None if error is None else str(np.dtype(error.dtype)),
       "buffers": {
@@ -174,13 +214,16 @@ def _layout(opt_state) -> dict:
   }
 
 
-def _metadata(step, params, opt_state) -> dict:
+def _metadata(step, params, opt_state, tx) -> dict:
   stripped = _strip(opt_state)
   return {
       "format": _FORMAT,
       "onebit_format": _VERSION,
       "step": int(step),
       "layout": _layout(opt_state),
+      # The optimizer's hyperparameters (onebit_optax._config.FIELDS), when
+      # save_checkpoint got tx=: compared on restore.
+      "config": None if tx is None else _config.describe(tx, step),
       "process_count": jax.process_count(),
       "params": _signature(params),
       "opt_state_treedef": str(jax.tree.structure(stripped)),
@@ -188,7 +231,8 @@ def _metadata(step, params, opt_state) -> dict:
   }
 
 
-def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable = "data"):
+def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable = "data", *,
+                   param_specs=None, model_axis: Optional[Hashable] = None):
   """Shapes, dtypes and shardings of the state :func:`init_sharded` would return.
 
   An Orbax restore needs such a target: without one it cannot rebuild the
@@ -196,13 +240,17 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
   ``worker_scale``, the error buffers: global leading axis = devices, sharded
   over ``axis_name``) only where it is told. Fields that do not exist in this
   layout (``server_error`` on one device, ``worker_error`` unless hierarchical)
-  are None. Nothing is computed or allocated.
+  are None. Nothing is computed or allocated. For a data × model mesh pass the
+  parameters' ``param_specs`` and ``model_axis``, as to :func:`init_sharded`.
 
   Args:
     tx: the optimizer (any optax transformation containing 1-bit Adam).
     params: the parameter pytree (arrays or ``jax.ShapeDtypeStruct``).
     mesh: the device mesh; None for a single device (``axis_name=None`` optimizer).
     axis_name: the data-parallel axis of ``mesh`` given to the optimizer.
+    param_specs: the parameters' ``PartitionSpec`` s over ``model_axis`` (None:
+      replicated).
+    model_axis: the model-parallel axis of ``mesh`` given to the optimizer, or None.
 
   Returns:
     A pytree of ``jax.ShapeDtypeStruct`` with shardings, structured like the state.
@@ -227,15 +275,24 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
         jax.eval_shape(tx.init, params))
-  specs = _sharding.state_specs_for(tx, params, mesh, axis_name, caller="abstract_state")
+  caller = "abstract_state"
+  if param_specs is not None:
+    _sharding._check_axes(mesh, axis_name, model_axis, caller)
+    _sharding._check_param_specs(param_specs, axis_name, model_axis, caller)
+  specs = _sharding.state_specs_for(tx, params, mesh, axis_name, caller=caller,
+                                    param_specs=param_specs, model_axis=model_axis)
+  in_specs = P() if param_specs is None else param_specs
+  if param_specs is not None:
+    params = _sharding._abstract_on(params, mesh, param_specs)
   shapes = jax.eval_shape(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs, check_vma=False), params)
+      jax.shard_map(tx.init, mesh=mesh, in_specs=(in_specs,), out_specs=specs,
+                    check_vma=False), params)
   return jax.tree.map(
       lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
       shapes, specs)
 
 
-def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
+def save_checkpoint(directory_or_manager, step: int, params, opt_state, *, tx=None) -> bool:
   """Saves ``params`` and a 1-bit Adam ``opt_state`` as step ``step``, all of it.
 
   Unlike DeepSpeed, which keeps only rank 0's error-feedback buffers and zeroes
@@ -248,7 +305,13 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
   3), the device count and mesh layout, the wire layout (which leaves are
   compressed) and the shapes and structure of both trees, which lets the
   restore refuse a mismatched model or optimizer, and detect a new device
-  count, instead of silently reinterpreting the arrays.
+  count, instead of silently reinterpreting the arrays. With ``tx=`` the
+  record also holds the optimizer's hyperparameters (learning rate or the
+  schedule's values at a few steps, ``b1``, ``b2``, ``eps``, ``weight_decay``,
+  ``mask``, ``freeze``, ``variance_floor``, ``max_update``,
+  ``skip_nonfinite``), which :func:`restore_checkpoint` compares with the new
+  ``tx``. States of data × model meshes (parameters sharded over a
+  ``model_axis``) are saved as they are, every model shard's buffers included.
 
   It is an Orbax ``CheckpointManager`` step with three items: ``params``,
   ``opt_state`` and ``onebit_optax`` (the record). Call it on every process.
@@ -262,6 +325,11 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
     params: the parameters (replicated over the mesh in the shard_map recipe).
     opt_state: the optimizer state as the training step returns it (the layout
       of :func:`init_sharded`, or of ``tx.init`` with ``axis_name=None``).
+    tx: the optimizer (recommended): its hyperparameters go into the record,
+      so that a restore with other ones is refused. Found in ``tx`` when it is,
+      or holds (``optax.chain``, ``masked``...), a :func:`onebit_adam` or
+      :func:`scale_by_onebit_adam`; not under ``optax.inject_hyperparams``
+      (whose hyperparameters are saved in the state itself).
 
   Returns:
     Whether a checkpoint was written (a manager may skip steps by its options).
@@ -273,7 +341,7 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
     >>> params = {'w': jnp.ones(300)}
     >>> state = onebit_optax.init_sharded(tx, params, mesh)
     >>> with tempfile.TemporaryDirectory() as directory:
-    ...   onebit_optax.save_checkpoint(directory, 7, params, state)
+    ...   onebit_optax.save_checkpoint(directory, 7, params, state, tx=tx)
     ...   params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, mesh)
     True
     >>> step, state[0].local_momentum[0].shape, state[0].server_error.shape
@@ -284,7 +352,7 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state) -> bool:
     DeepSpeed's 1-bit Adam tutorial (which resets the error buffers on load).
   """
   ocp = _orbax()
-  metadata = _metadata(step, params, opt_state)
+  metadata = _metadata(step, params, opt_state, tx)
   manager, owned = _open(directory_or_manager, create=True)
   try:
     saved = manager.save(int(step), args=ocp.args.Composite(**{
@@ -353,8 +421,8 @@ def _check_version(where: str, metadata: dict) -> None:
       f"{version!r}); this version reads format {_VERSION}. Upgrade onebit-optax.")
 
 
-def _check_compatible(where: str, metadata: dict, params, target) -> None:
-  """Raises a ValueError naming what differs between the checkpoint and the new run."""
+def _check_params(where: str, metadata: dict, params) -> None:
+  """Raises a ValueError naming how ``params`` differ from the checkpoint's."""
   _check_version(where, metadata)
   lines = _diff(metadata["params"], _signature(params))
   if lines:
@@ -363,8 +431,12 @@ def _check_compatible(where: str, metadata: dict, params, target) -> None:
         "(a different model?):\n  " + "\n  ".join(lines) + "\nPass the parameter tree "
         "(shapes and dtypes) of the run that saved it; a different model needs a fresh "
         "optimizer state (tx.init / init_sharded).")
+
+
+def _check_state(where: str, metadata: dict, target) -> None:
+  """Raises a ValueError naming how the state of ``tx`` differs from the checkpoint's."""
   # The per-device buffers' and the message's shapes depend on the mesh (the
-  # params, checked above, fix the rest): compared apart, in the restore.
+  # params fix the rest): compared apart, in the restore.
   stripped = _strip(target)
   lines = _diff(metadata["opt_state"], _signature(stripped))
   treedef = str(jax.tree.structure(stripped))
@@ -454,54 +526,207 @@ def _read_record(ocp, manager, step):
   return step, where, metadata
 
 
-def _saved_item(ocp, target, buffers):
-  """The restore target on another mesh: the message as saved (moved later), no per-device buffers.
+def _check_config(where: str, metadata: dict, tx, accept_changes) -> None:
+  """Refuses other hyperparameters than the checkpoint's, unless ``accept_changes`` names them."""
+  accepted = set(_config.FIELDS) if accept_changes is True else set(accept_changes or ())
+  unknown = accepted - set(_config.FIELDS)
+  if unknown:
+    raise ValueError(
+        f"restore_checkpoint: accept_changes names {sorted(unknown)}, which are not "
+        f"hyperparameters that are checked; those are {list(_config.FIELDS)} (or True "
+        "for all of them).")
+  differences, _ = _config.compare(metadata.get("config"), tx)
+  refused = [(name, line) for name, line in differences if name not in accepted]
+  if refused:
+    names = tuple(name for name, _ in refused)
+    raise ValueError(
+        f"restore_checkpoint: {where} was saved by an optimizer with other "
+        "hyperparameters than `tx`:\n  " + "\n  ".join(line for _, line in refused) +
+        "\nBuild tx as in the run that saved it, or, to resume with the new values on "
+        f"purpose (e.g. a new learning-rate schedule), pass accept_changes={names!r}.")
 
-  The per-device buffers get an Orbax placeholder: Orbax would happily reshard
-  them onto the new devices.
-  """
-  placeholder = lambda name: None if buffers[name] is None else ocp.PLACEHOLDER
+
+def _is_model_parallel(info: dict) -> bool:
+  return info.get("model_shards", 1) > 1 or info.get("param_specs") is not None
+
+
+def _same_mesh(saved: dict, new: dict) -> bool:
+  """Whether the per-device buffers can be restored as they are (same rows, same layout)."""
+  keys = ("num_devices", "device_axes", "compressed", "buffers")
+  return (all(saved[key] == new[key] for key in keys)
+          and saved.get("model_shards", 1) == new.get("model_shards", 1)
+          and saved.get("param_specs") == new.get("param_specs"))
+
+
+def _refuse_model_move(where: str, saved: dict, new: dict, model_axis) -> None:
+  """A data × model state moves onto nothing but its own mesh: raise what to do."""
+  describe = lambda info: (
+      f"mesh {info.get('mesh')} ({info['num_devices']} data-parallel devices x "
+      f"{info.get('model_shards', 1)} model shards), parameter specs "
+      f"{info.get('param_specs') or 'all P()'}")
+  hint = ""
+  if _is_model_parallel(saved) and model_axis is None:
+    hint = ("It was saved with the parameters sharded over a model axis: pass "
+            "param_specs= and model_axis= as to init_sharded. ")
+  raise ValueError(
+      f"restore_checkpoint: {where} was saved on {describe(saved)}; it is restored onto "
+      f"{describe(new)}. {hint}A data x model state is restored only onto the mesh "
+      "shape and parameter specs it was saved with (bit for bit): each model shard's "
+      "per-device buffers and momentum message are laid out for its own local shards. "
+      "Restore it on that mesh with those param_specs; to change the model split or the "
+      "device count, finish on the saved mesh, or read the saved 'params' with Orbax "
+      "and start the optimizer afresh (init_sharded; Adam's moments and the phase are "
+      "lost, the run warms up again).")
+
+
+def _saved_target(x_saved_shape, dtype, abstract, mesh):
+  """Where a saved per-device buffer is read to: split like the new rows where they divide it."""
+  shape = tuple(x_saved_shape)
+  sharding = getattr(abstract, "sharding", None)
+  if mesh is None or not isinstance(sharding, NamedSharding):
+    sharding = SingleDeviceSharding(jax.local_devices()[0])
+  elif shape[0] % abstract.shape[0]:
+    sharding = NamedSharding(mesh, P())
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _saved_item(target, info: dict, mesh):
+  """The restore target on another mesh: every buffer in its saved shape (moved afterwards)."""
+  buffers = info["buffers"]
+  error_dtype = jnp.dtype(info["error_dtype"] or "float32")
 
   def as_saved(state):
+    one = lambda name, dtype: (None if buffers[name] is None else _saved_target(
+        buffers[name], dtype, getattr(state, name) if getattr(state, name) is not None
+        else state.worker_scale, mesh))
+    local = None
+    if buffers["local_momentum"] is not None:
+      like = state.worker_scale
+      local = tuple(_saved_target(shape, error_dtype, like, mesh)
+                    for shape in buffers["local_momentum"])
     return state._replace(
-        local_momentum=(None if buffers["local_momentum"] is None
-                        else tuple(ocp.PLACEHOLDER for _ in buffers["local_momentum"])),
-        worker_scale=ocp.PLACEHOLDER, worker_error=placeholder("worker_error"),
-        server_error=placeholder("server_error"),
+        local_momentum=local, worker_scale=one("worker_scale", jnp.float32),
+        worker_error=one("worker_error", error_dtype),
+        server_error=one("server_error", error_dtype),
         momentum_message=jax.ShapeDtypeStruct(
             tuple(buffers["momentum_message"]), jnp.uint8,
             sharding=state.momentum_message.sharding))
   return _with_state(target, as_saved)
 
 
+def _side(params, info: dict) -> _ckpt_move.Mesh:
+  """The wire layout and the device numbering a record describes."""
+  wire = _wire_layout(params, info)
+  hierarchical = info["buffers"]["worker_error"] is not None
+  fast = info["device_axes"][-1] if hierarchical and len(info["device_axes"]) == 2 else 1
+  return _ckpt_move.Mesh(wire, info["num_devices"] // fast, fast)
+
+
+def _b1(tx):
+  """``tx``'s first-moment decay where it is known (a number), else None."""
+  found = _config.config_of(tx)
+  value = None if found is None else _config._number(found[1].get("b1"))
+  return None if isinstance(value, bool) else value
+
+
+def _moved(state, abstract, params, saved: dict, new: dict, tx):
+  """The restored state moved onto the new mesh layout, its error feedback handed on.
+
+  Returns the state and the names of the leaves whose residual was dropped
+  (compressed before, exact now).
+  """
+  if not bool(_first_value(state.frozen)):
+    # In warmup nothing was sent yet: every buffer and the message are zero.
+    reset = {name: jax.tree.map(_zeros, getattr(abstract, name)) for name in _SIZED}
+    return state._replace(**reset, feedback_valid=_zeros(abstract.feedback_valid)), []
+  old_side, new_side = _side(params, saved), _side(params, new)
+  message = _relayout_message(state.momentum_message, params, old_side.wire, new_side.wire,
+                              abstract.momentum_message.sharding)
+  shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+  error = next((x for x in (*(abstract.local_momentum or ()), abstract.worker_error,
+                            abstract.server_error) if x is not None), abstract.worker_scale)
+  shardings = _ckpt_move.Carried(
+      None if abstract.local_momentum is None
+      else tuple(x.sharding for x in abstract.local_momentum),
+      abstract.worker_scale.sharding,
+      None if abstract.worker_error is None else abstract.worker_error.sharding,
+      None if abstract.server_error is None else abstract.server_error.sharding)
+  b1 = _b1(tx)
+  # The residual buffers are cut and re-ordered whole (a reshape of an array
+  # sharded over a mesh axis is refused under explicit sharding); the
+  # local_momentum rows are only averaged, where they lie.
+  whole = lambda x: (x if x is None or not isinstance(getattr(x, "sharding", None), NamedSharding)
+                     else jax.device_put(x, NamedSharding(x.sharding.mesh, P())))
+  state = state._replace(worker_error=whole(state.worker_error),
+                         server_error=whole(state.server_error))
+  carried = jax.jit(
+      lambda s, m: _ckpt_move.carry(s, old_side, new_side, shapes, m, b1, error.dtype),
+      out_shardings=shardings)(state, message)
+  valid = jax.jit(lambda: jnp.ones((), jnp.bool_),
+                  out_shardings=abstract.feedback_valid.sharding)()
+  names = [jax.tree_util.keystr(path) for path, _ in
+           jax.tree_util.tree_flatten_with_path(params)[0]]
+  dropped = [names[i] for i in old_side.wire.compressed if i not in new_side.wire.compressed]
+  return state._replace(**carried._asdict(), momentum_message=message,
+                        feedback_valid=valid), dropped
+
+
 def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = None,
-                       axis_name: Hashable = "data", *, step: Optional[int] = None):
-  """Restores what :func:`save_checkpoint` saved, placed for ``mesh``, checking that it fits.
+                       axis_name: Hashable = "data", *, step: Optional[int] = None,
+                       param_specs=None, model_axis: Optional[Hashable] = None,
+                       accept_changes=()):
+  r"""Restores what :func:`save_checkpoint` saved, placed for ``mesh``, checking that it fits.
 
-  On the same mesh (device count and layout) the state comes back exactly,
-  per-device buffers included, so training continues bit for bit as if never
-  interrupted.
+  **On the same mesh** (device count, mesh layout, and for a data × model mesh
+  the same ``param_specs``) the state comes back exactly, per-device buffers
+  included, so training continues bit for bit as if never interrupted.
 
-  On another device count or mesh layout (flat vs hierarchical, or on one
-  device, ``mesh=None``), the per-device buffers cannot be carried over: each
-  holds one device's compression residual (``local_momentum``,
-  ``worker_scale``, ``worker_error``) or its share of the server chunks
-  (``server_error``), and their shapes depend on the mesh. They are reset to
-  zero in the new shapes and ``feedback_valid`` to False, with a warning if the
-  run was already in the compression phase (during warmup they are still zero,
-  so nothing is lost). The compressed mean momentum (``momentum_message``,
-  one row per device) is decoded with the saved wire layout and compressed
-  again for the new one as the freeze step does (its signs, one scale per
-  leaf; exact leaves keep their values), so the first step after the restore
-  uses :math:`\\beta_1 C(m)` instead of :math:`\\beta_1 m`. Everything else is
-  kept: ``mu``, ``nu``, ``nu_l1``, the phase (``frozen``, ``freeze_step``),
-  ``count``, ``skipped_steps`` and the variance-ratio fields, so training goes
-  on in the phase it was in.
+  **On another device count or mesh layout** (flat vs hierarchical, another
+  ``exact_below``, or one device, ``mesh=None``), data-parallel meshes only,
+  everything but the per-device buffers and the message is restored exactly:
+  ``mu``, ``nu``, ``nu_l1``, the phase (``frozen``, ``freeze_step``),
+  ``count``, ``skipped_steps`` and the variance-ratio fields. The compressed
+  mean momentum :math:`m` (``momentum_message``, one row per device) is
+  decoded with the saved wire layout and compressed again for the new one,
+  :math:`C'(m)`, as the freeze step does (its signs, one scale per leaf; exact
+  leaves keep their values). The error feedback is handed on rather than
+  reset (DeepSpeed resets it on every load): what the next compressed mean
+  depends on is the servers' residual, which tiles the compressed vector
+  (chunk :math:`r` is server :math:`r`'s) and is cut into the new chunks, and
+  the devices' *mean* worker error :math:`ar e = rac1n\sum_i e_i`, which
+  every new device gets, so the new mean of the errors is the old one. Every
+  device's error also gets :math:`eta_1 (m - C'(m))` (``b1`` read off
+  ``tx``), so that the first step forms
+  :math:`eta_1 m + (1-eta_1) g_i + ar e` as the old mesh would have.
+  Restored onto one device (no servers), the servers' residual is added to
+  the worker error. What is not carried: the residual of a leaf that was
+  compressed and is exact in the new layout (``exact_below`` raised, or
+  hierarchical to flat; a warning names it), and, in warmup, nothing
+  exists to carry (the buffers are zero). ``docs/guides/elastic_restore.md``
+  measures the difference to the reset.
 
-  A checkpoint of other parameters (names, shapes, dtypes), of another
-  optimizer (the state's tree structure, e.g. a different ``optax.chain``), or
-  of an older onebit-optax (record without ``onebit_format`` 3: the flat state
-  layout, which is not converted) raises a ValueError saying what differs.
+  **A data × model checkpoint** (saved with ``param_specs`` / ``model_axis``)
+  is restored only onto its own mesh shape with the same ``param_specs``;
+  anything else raises a ValueError saying what to do (the per-device buffers
+  and messages are laid out for each model shard's local shards).
+
+  **What is checked.** Always: the parameters' tree, shapes and dtypes; the
+  optimizer state's tree structure (another ``optax.chain`` or
+  transformation, ``moment_dtype``, ``error_dtype``) and the format
+  (``onebit_format`` 3; older flat-layout checkpoints are refused, not
+  converted). When the checkpoint was saved with ``save_checkpoint(...,
+  tx=tx)`` and ``tx`` here is, or holds, a :func:`onebit_adam` /
+  :func:`scale_by_onebit_adam` (not under ``optax.inject_hyperparams``): its
+  hyperparameters ``learning_rate`` (a constant, or a schedule compared by its
+  values at steps 0, 1, 10, ..., 10^6, the checkpoint's step and the next),
+  ``b1``, ``b2``, ``eps``, ``weight_decay``, ``mask`` (a pytree of bools; a
+  callable mask is not compared), ``freeze`` (the policy and its fields),
+  ``variance_floor``, ``max_update`` and ``skip_nonfinite``. Any difference
+  raises a ValueError naming the fields with both values; a change made on
+  purpose (a new learning rate on resume is a legitimate one) is accepted by
+  naming it in ``accept_changes``. Not checked: the hyperparameters of other
+  transformations in the chain (their states' shapes are), a checkpoint saved
+  without ``tx=``, and a ``tx`` in which no 1-bit Adam factory is found.
 
   Args:
     directory_or_manager: the directory given to :func:`save_checkpoint`, or an
@@ -513,11 +738,20 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
     mesh: the device mesh to restore onto; None for a single device.
     axis_name: the data-parallel axis of ``mesh`` given to the optimizer.
     step: the step to restore; the latest by default.
+    param_specs: for a data × model mesh, the parameters' ``PartitionSpec`` s
+      (as given to :func:`init_sharded`); the parameters come back sharded
+      by them.
+    model_axis: the model-parallel axis of ``mesh``, with ``param_specs``.
+    accept_changes: names of the hyperparameters (of ``learning_rate``,
+      ``b1``, ``b2``, ``eps``, ``weight_decay``, ``mask``, ``freeze``,
+      ``variance_floor``, ``max_update``, ``skip_nonfinite``) that may differ
+      from the checkpoint's on purpose, or True for all of them.
 
   Returns:
-    ``(params, opt_state, step)``: params replicated over ``mesh`` and the state
-    sharded as by :func:`init_sharded` (on ``mesh=None``: on the first local
-    device), and the restored step.
+    ``(params, opt_state, step)``: params replicated over ``mesh`` (sharded by
+    ``param_specs`` when given) and the state sharded as by
+    :func:`init_sharded` (on ``mesh=None``: on the first local device), and the
+    restored step.
 
   Example:
     >>> import tempfile, warnings, jax, jax.numpy as jnp, onebit_optax
@@ -526,9 +760,9 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
     >>> state = onebit_optax.init_sharded(tx, params, jax.make_mesh((2,), ('data',)))
     >>> new_mesh = jax.make_mesh((4,), ('data',))  # a restart on 4 devices
     >>> with tempfile.TemporaryDirectory() as directory:
-    ...   _ = onebit_optax.save_checkpoint(directory, 3, params, state)
+    ...   _ = onebit_optax.save_checkpoint(directory, 3, params, state, tx=tx)
     ...   params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, new_mesh)
-    >>> state[0].server_error.shape  # reset for 4 devices (no warning: still warmup)
+    >>> state[0].server_error.shape  # re-chunked for 4 devices
     (4, 128)
     >>> state[0].momentum_message.shape  # one row per device
     (4, 20)
@@ -541,24 +775,20 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
   manager, owned = _open(directory_or_manager, create=False)  # reading creates nothing
   try:
     step, where, metadata = _read_record(ocp, manager, step)
-
-    target = abstract_state(tx, params, mesh, axis_name)
-    param_sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
-                      else NamedSharding(mesh, P()))
-    params_target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=param_sharding), params)
-    _check_compatible(where, metadata, params_target, target)
-
+    target = abstract_state(tx, params, mesh, axis_name, param_specs=param_specs,
+                            model_axis=model_axis)
+    params_target = _params_target(params, mesh, param_specs)
+    _check_params(where, metadata, params_target)
     saved_layout, new_layout = metadata["layout"], _layout(target)
     # The same device count with other buffer shapes is another mesh layout
     # (flat vs hierarchical, another threshold of exact leaves): the
-    # per-device buffers do not carry over either.
-    same_mesh = all(saved_layout[key] == new_layout[key]
-                    for key in ("num_devices", "device_axes", "compressed", "buffers"))
-    if same_mesh:
-      item = target
-    else:
-      item = _saved_item(ocp, target, saved_layout["buffers"])
+    # per-device buffers are moved too.
+    same_mesh = _same_mesh(saved_layout, new_layout)
+    if not same_mesh and (_is_model_parallel(saved_layout) or _is_model_parallel(new_layout)):
+      _refuse_model_move(where, saved_layout, new_layout, model_axis)
+    _check_state(where, metadata, target)
+    _check_config(where, metadata, tx, accept_changes)
+    item = target if same_mesh else _saved_item(target, saved_layout, mesh)
     as_args = lambda x: (ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
                                               dtype=x.dtype)
                          if isinstance(x, jax.ShapeDtypeStruct) else x)
@@ -574,42 +804,25 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
   new_params, opt_state = restored[_PARAMS], restored[_OPT_STATE]
   if same_mesh:
     return new_params, opt_state, int(step)
-
   _, state = _find(opt_state)
   _, abstract = _find(target)
-  frozen = bool(_first_value(state.frozen))
-  if frozen:  # in warmup the message was never written: zeros, as on a fresh start
-    old_wire = _wire_layout(params_target, saved_layout)
-    new_wire = _wire_layout(params_target, new_layout)
-    message = _relayout_message(state.momentum_message, params_target, old_wire, new_wire,
-                                abstract.momentum_message.sharding)
-  else:
-    message = _zeros(abstract.momentum_message)
-  reset = {name: jax.tree.map(_zeros, getattr(abstract, name)) for name in _PER_DEVICE}
-  state = state._replace(**reset, momentum_message=message,
-                         feedback_valid=_zeros(abstract.feedback_valid))
+  state, dropped = _moved(state, abstract, params_target, saved_layout, new_layout, tx)
   opt_state = _with_state(opt_state, lambda _: state)
-  if frozen:
-    shapes = ", ".join(
-        f"{name} {jax.tree.map(lambda x: tuple(x.shape), getattr(state, name))}"
-        for name in _SIZED)
+  if dropped:
     warnings.warn(
-        f"onebit_optax.restore_checkpoint: {where} was saved on "
-        f"{saved_layout['num_devices']} devices and is restored onto "
-        f"{new_layout['num_devices']} (or another mesh layout). 1-bit Adam's per-device "
-        "buffers (local_momentum, worker_scale, worker_error, server_error) hold one "
-        "compression residual per device and per chunk of the wire layout, which has no "
-        "meaning on another mesh, so they were reset to zero and the error feedback "
-        "restarts (feedback_valid=False). The compressed mean momentum (momentum_message) "
-        "was decoded with the saved layout and compressed again for the new one as at "
-        "the freeze (signs and one scale per leaf), so the next step starts from that "
-        f"compressed momentum. New shapes: {shapes}. Everything else was restored exactly: "
-        "mu, nu, nu_l1, the phase (frozen, freeze_step="
-        f"{int(_first_value(state.freeze_step))}), count="
-        f"{int(_first_value(state.count))}, skipped_steps and the variance-ratio "
-        "fields; training continues in the compression phase, without the correction "
-        "of the residual accumulated before the checkpoint. Restore on "
-        f"{saved_layout['num_devices']} devices with the saved mesh layout to resume "
-        "bit for bit.",
-        UserWarning, stacklevel=2)
+        f"onebit_optax.restore_checkpoint: {where} is restored onto another wire layout "
+        f"in which the leaves {dropped} are no longer compressed (exact_below, or "
+        "hierarchical to flat): their error-feedback residual was dropped; they are "
+        "averaged exactly from now on. Everything else was moved (see "
+        "restore_checkpoint's docstring).", UserWarning, stacklevel=2)
   return new_params, opt_state, int(step)
+
+
+def _params_target(params, mesh, param_specs):
+  """``params`` as ShapeDtypeStructs placed for the restore (replicated, or by ``param_specs``)."""
+  if mesh is not None and param_specs is not None:
+    return _sharding._abstract_on(params, mesh, param_specs)
+  sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
+              else NamedSharding(mesh, P()))
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), params)

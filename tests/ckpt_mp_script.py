@@ -6,8 +6,9 @@ Imported by the test (one process, 8 simulated devices) and run as a script:
   devices (4, set by the test through XLA_FLAGS) and trains on, next to a
   reference state built by hand (``init_sharded`` on 4 devices, with the saved
   values of every field but the mesh-dependent ones written in, read from
-  ``--out/saved_<step>.npz``; the re-laid-out message is the restored one,
-  which the test checks against :func:`decode_message`). Writes
+  ``--out/saved_<step>.npz``; the re-laid-out message and the handed-on
+  buffers are the restored ones, which the test checks against
+  :func:`decode_message` and :func:`expected_carry`). Writes
   ``resize_<step>.npz`` and ``resize_<step>.json`` to ``--out``.
 * ``mp``: one rank of a multi-process run (``python -m onebit_optax.launch``):
   trains from scratch or restores ``--ckpt``, may save at ``--save-at`` and then
@@ -179,6 +180,69 @@ def decode_message(message, sizes, compressed, n):
   return out
 
 
+def _stream_leaves(stream, sizes, compressed):
+  """The compressed leaves' pieces of a padded stream (leaf after leaf on 128-blocks), by leaf index."""
+  comp = [sizes[i] for i in compressed]
+  return {i: stream[o:o + sizes[i]] for i, o in zip(compressed, _flat.offsets(comp))}
+
+
+def _stream(pieces, sizes, compressed, n):
+  """The padded stream of ``n`` chunks holding ``pieces`` (leaf index -> flat values)."""
+  comp = [sizes[i] for i in compressed]
+  out = np.zeros(_flat.padded(comp, n), np.float32)
+  for i, o in zip(compressed, _flat.offsets(comp)):
+    out[o:o + sizes[i]] = pieces.get(i, 0.0)
+  return out
+
+
+def expected_carry(saved, sizes, old, new, b1, new_message):
+  """An independent numpy model of what a restore onto another mesh hands on.
+
+  ``old`` / ``new``: ``(compressed, slow, fast)`` of each layout (fast = 1:
+  flat). The mean worker error over the devices (flat: ``u - s sign(u)``
+  from ``local_momentum`` / ``worker_scale``; hierarchical: ``worker_error``,
+  row ``node * fast + f`` holding slice f, averaged over the nodes) plus
+  ``b1 (m - C'(m))`` goes to every new device; the server residual (row
+  ``node * fast + f`` serves chunk ``f * slow + node``) is cut into the new
+  chunks, or added to the worker error on one device. Returns
+  ``{"local": {leaf: flat}, "worker_error": rows, "server_error": rows}``.
+  """
+  (old_c, old_slow, old_fast), (new_c, new_slow, new_fast) = old, new
+  old_n, new_n = old_slow * old_fast, new_slow * new_fast
+  valid = bool(saved["opt_state[0].feedback_valid"])
+  if old_fast == 1:
+    scale = saved["opt_state[0].worker_scale"].astype(np.float64)
+    error = {}
+    for k, i in enumerate(old_c):
+      u = saved[f"opt_state[0].local_momentum[{k}]"].reshape(old_n, -1).astype(np.float64)
+      s = scale[:, k:k + 1]
+      error[i] = np.mean(u - np.where(u >= 0, s, -s), axis=0) if valid else 0 * u[0]
+  else:
+    rows = saved["opt_state[0].worker_error"].astype(np.float64).reshape(old_slow, old_fast, -1)
+    error = _stream_leaves(rows.mean(axis=0).reshape(-1) * valid, sizes, old_c)
+  server = {}
+  if "opt_state[0].server_error" in saved:
+    rows = saved["opt_state[0].server_error"].astype(np.float64)
+    chunks = rows.reshape(old_slow, old_fast, -1).transpose(1, 0, 2).reshape(-1)
+    server = _stream_leaves(chunks, sizes, old_c)
+  m_old = decode_message(saved["opt_state[0].momentum_message"], sizes, old_c, old_n)
+  m_new = decode_message(new_message, sizes, new_c, new_n)
+  local = {}
+  for i in new_c:
+    e = error.get(i, np.zeros(sizes[i])) + b1 * (m_old[i].astype(np.float64) - m_new[i])
+    local[i] = e + (server.get(i, 0.0) if new_slow == 1 else 0.0)
+  out = {"local": local}
+  if new_slow > 1:
+    stream = _stream(server, sizes, new_c, new_n)
+    out["server_error"] = stream.reshape(new_fast, new_slow, -1).transpose(1, 0, 2).reshape(
+        new_n, -1)
+  if new_fast > 1:
+    slices = _stream(local, sizes, new_c, new_n).reshape(new_fast, -1)
+    out["worker_error"] = np.broadcast_to(slices[None], (new_slow,) + slices.shape).reshape(
+        new_n, -1)
+  return out
+
+
 def _resize(args, step, mesh, tx, step_fns):
   template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init_params())
   with warnings.catch_warnings(record=True) as caught:
@@ -196,14 +260,13 @@ def _resize(args, step, mesh, tx, step_fns):
       {name: saved[f"params['{name}']"] for name in init_params()}, NamedSharding(mesh, P()))
   ref_state = onebit_optax.init_sharded(tx, ref_params, mesh)
 
-  restored_message = opt_state[0].momentum_message
+  restored_sized = {jax.tree_util.keystr(path): leaf for path, leaf in
+                    jax.tree_util.tree_flatten_with_path(opt_state)[0]}
 
   def fill(path, leaf):
     key = jax.tree_util.keystr(path)
-    if key.startswith("[0].momentum_message"):
-      return restored_message
     if any(key.startswith(f"[0].{name}") for name in SIZED + ("feedback_valid",)):
-      return leaf
+      return restored_sized[key]
     return jax.device_put(saved["opt_state" + key], leaf.sharding)
   ref_state = jax.tree_util.tree_map_with_path(fill, ref_state)
 
