@@ -3,14 +3,15 @@
 
     python3 dev.py demo [ARGS...]   # the main job: Adam vs 1-bit Adam on 8 simulated CPU devices
     python3 dev.py test [ARGS...]   # the test suite (pytest; extra ARGS are passed on)
+    python3 dev.py docs [ARGS...]   # the docs site into docs/_build/html (warnings are errors)
     python3 dev.py env              # only create/refresh the virtual environment
 
     python3 dev.py --python python3.12 test   # the same, in a venv of another interpreter
 
 The first call creates a virtual environment and installs the package (editable)
 with its test, example and dev (build, twine) extras, at the newest versions pip
-resolves for that interpreter; later calls reuse it (it is refreshed when
-pyproject.toml changes).
+resolves for that interpreter; `docs` adds the docs extra (Sphinx). Later calls
+reuse it (it is refreshed when pyproject.toml changes).
 The venv is `.venv` for the interpreter that runs dev.py, and `.venv-pyX.Y` for
 an interpreter given with `--python` (or the ONEBIT_PYTHON environment
 variable), so each Python version keeps its own. ONEBIT_VENV overrides the
@@ -27,9 +28,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-COMMANDS = ("demo", "test", "env")
+COMMANDS = ("demo", "test", "docs", "env")
 MIN_PYTHON = (3, 11)
 EXTRAS = "test,examples,dev"
+DOCS_EXTRAS = EXTRAS + ",docs"
+# Sphinx: warnings are errors (all of them reported), every cross-reference checked.
+SPHINX_ARGS = ("-W", "--keep-going", "-n", "-q", "-b", "html")
 
 
 def _bin(venv: Path, name: str) -> Path:
@@ -63,24 +67,33 @@ def _venv_for(python: list[str] | None) -> tuple[Path, list[str]]:
   return Path(os.environ.get("ONEBIT_VENV", default)), python
 
 
-def _ensure_env(venv: Path, python: list[str]) -> Path:
-  """Creates/refreshes ``venv`` with ``python``; returns the venv's interpreter."""
+def _installed(stamp: Path, digest: str) -> set[str]:
+  """The extras the stamp says were installed for this pyproject.toml (empty: none)."""
+  if not stamp.exists():
+    return set()
+  recorded, _, extras = stamp.read_text().partition(" ")
+  return set(extras.split(",")) if recorded == digest else set()
+
+
+def _ensure_env(venv: Path, python: list[str], extras: str = EXTRAS) -> Path:
+  """Creates/refreshes ``venv`` with ``python`` and ``extras``; returns the venv's interpreter."""
   py = _bin(venv, "python")
   stamp = venv / ".onebit-installed"
-  digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + EXTRAS.encode()).hexdigest()
-  if stamp.exists() and stamp.read_text() == digest and py.exists():
+  digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+  installed = _installed(stamp, digest)
+  if set(extras.split(",")) <= installed and py.exists():
     return py
   if not py.exists():
     print(f"[dev.py] creating virtual environment in {venv} ({shlex.join(python)})", flush=True)
     subprocess.check_call([*python, "-m", "venv", str(venv)])
-  print(f"[dev.py] installing onebit-optax with its test, example and dev extras into {venv}",
-        flush=True)
+  extras = ",".join(sorted(installed | set(extras.split(","))))  # keep what was there
+  print(f"[dev.py] installing onebit-optax with its extras [{extras}] into {venv}", flush=True)
   subprocess.check_call([str(py), "-m", "pip", "install", "--quiet", "--upgrade", "pip"])
   subprocess.check_call(
-      [str(py), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[{EXTRAS}]"])
+      [str(py), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[{extras}]"])
   subprocess.check_call([str(py), "-m", "ipykernel", "install", "--sys-prefix", "--name",
                          "python3"], stdout=subprocess.DEVNULL)
-  stamp.write_text(digest)
+  stamp.write_text(f"{digest} {extras}")
   return py
 
 
@@ -102,12 +115,19 @@ def main(argv: list[str]) -> int:
   if not argv or argv[0] not in COMMANDS:
     print(__doc__)
     return 2
-  py = _ensure_env(*_venv_for(python))
   command, rest = argv[0], argv[1:]
+  py = _ensure_env(*_venv_for(python), DOCS_EXTRAS if command == "docs" else EXTRAS)
   if command == "env":
     return 0
   if command == "demo":
     args = [str(py), str(ROOT / "examples" / "demo.py"), *rest]
+  elif command == "docs":
+    out = ROOT / "docs" / "_build" / "html"
+    args = [str(py), "-m", "sphinx", *SPHINX_ARGS, *rest, str(ROOT / "docs"), str(out)]
+    status = subprocess.call(args, cwd=ROOT)
+    if status == 0:
+      print(f"[dev.py] docs built: {out / 'index.html'}", flush=True)
+    return status
   else:
     args = [str(py), "-m", "pytest", *rest]
   return subprocess.call(args, cwd=ROOT)

@@ -1,0 +1,297 @@
+"""Generated pages of the docs site: the API index, the Results pages, the notebook.
+
+Everything here is derived at build time (``conf.py`` calls :func:`generate`),
+so no page can drift from its source:
+
+- ``api/index.md``: one autosummary entry per name in ``onebit_optax.__all__``,
+  grouped by the private module that defines it (a new public name shows up
+  without editing the docs).
+- ``results/generated/NAME.md``: one page per ``benchmarks/results/NAME.md``
+  (the file as the benchmark wrote it, command, commit, machine and load
+  included), headings renumbered to nest under the page title, plots copied.
+- ``notebooks/onebit_adam_quickstart.ipynb``: the committed notebook, rendered
+  from its stored outputs (never executed by the build); its link to the
+  README points to the docs' front page instead.
+
+It also documents the fields of the NamedTuple states from their source
+comments (``count: jax.Array  # shape=(), dtype=int32: ...``) instead of
+Python's "Alias for field number N".
+
+``python docs/_ext/onebit_docs.py OUTDIR`` writes the generated sources alone
+(no Sphinx needed; ``tests/test_docs.py`` uses it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+NOTEBOOK = ROOT / "notebooks" / "onebit_adam_quickstart.ipynb"
+
+# Section titles of the API index, by the module that defines a name. A name
+# from a module not listed here lands in a section named after its module.
+API_SECTIONS = (
+    ("_onebit_adam", "The optimizer"),
+    ("_freeze", "Freeze policies"),
+    ("_accessors", "Reading the state"),
+    ("_status", "Logging and replica checks"),
+    ("_sharding", "shard_map helpers"),
+    ("_accumulate", "Accumulation and clipping"),
+    ("_checkpoint", "Checkpointing"),
+    ("_compressor", "The 1-bit compressor"),
+    ("_collective", "The compressed collective"),
+    ("_compressed_updates", "The collective as Optax transformations"),
+)
+
+# Results files that are excerpts of another file (written for the README's
+# summary); their numbers are on the full file's page.
+EXCERPTS = ("_summary", "_freeze")
+
+# What each benchmark measures, shown above its generated page (prose only: the
+# numbers are in the generated tables below it).
+RESULT_INTROS = {
+    "convergence": (
+        "Convergence on real data that ships offline: a char GPT and a BERT-style masked "
+        "LM on CPython's `pydoc_data.topics` prose, and an MLP on scikit-learn's digits, "
+        "each data-parallel on 8 simulated CPU devices. AdamW's learning rate is swept on "
+        "*selection* seeds; 1-bit Adam with the default freeze rule is compared with it "
+        "on fresh *evaluation* seeds, same seed for same seed. The freeze-step study, the "
+        "replay of the freeze rule and the failing references (naive 1-bit Adam, 1-bit "
+        "Adam without error feedback) run on the selection seeds. See "
+        "{doc}`/guides/freeze` for what the study means for your run."),
+    "convergence_quick": (
+        "The smoke run of the convergence protocol (`--quick`: one selection seed, two "
+        "evaluation seeds, 60–100 steps). Not a result: it shows the pipeline runs."),
+    "comm_throughput": (
+        "4 `jax.distributed` ranks, one per network namespace, veth pairs into a bridge, "
+        "`tc tbf` rate-limited links, gloo over TCP; a 25.6M-parameter embedding model. "
+        "Bytes are read from the interfaces' counters and compared with the optimizer's "
+        "wire layout ({doc}`/how_it_works/wire_format`). Needs root (network "
+        "namespaces)."),
+    "comm_throughput_rates": (
+        "The communication benchmark at three link rates (100 Mbit/s, 1 Gbit/s, "
+        "10 Gbit/s): where 1-bit Adam pays and where it does not."),
+    "comm_throughput_hier": (
+        "Hierarchical averaging ({doc}`/guides/hierarchical`) on 2 namespaces (\"nodes\") "
+        "of 2 ranks: only the link between namespaces is shaped; the ranks of a node "
+        "talk over loopback. On this testbed a node's \"fast\" path is TCP on 2 shared "
+        "cores, so read it for the bytes on the slow link, not for the speed of the "
+        "fast one."),
+    "scaling_model": (
+        "Not a measurement: an alpha-beta model (compute + bytes / NIC goodput + "
+        "messages x alpha, no overlap) with the optimizer's byte counts, calibrated by "
+        "the measured runs, extrapolated to GPU cluster shapes. The GPU compute is an "
+        "assumption (options of the script)."),
+    "bounded_update": (
+        "How far the farthest coordinate of each leaf moves after the freeze, relative "
+        "to `optax.adam`, with and without the variance floor and the clip "
+        "({doc}`/how_it_works/bounded_update`)."),
+    "wire_overhead": (
+        "What the scales, the padding and the exact (float32) leaves add to the packed "
+        "sign bits, and how the `exact_below` threshold was chosen "
+        "({doc}`/how_it_works/wire_format`). Shapes only: nothing is timed."),
+    "optimizer_compute": (
+        "The optimizer's compute and memory against `optax.adam` on one device and a "
+        "2-device mesh, timed on the whole donated train step."),
+    "compile_time": (
+        "Seconds to trace, lower and compile the 8-device train step, against "
+        "`optax.adam` + `pmean`."),
+    "digits_gap": (
+        "Where 1-bit Adam's gap to AdamW on the digits MLP came from (the learning-rate "
+        "selection on few seeds)."),
+}
+
+
+# ----------------------------------------------------------------------------
+# The API index.
+
+
+def public_names() -> list[str]:
+  """``onebit_optax.__all__``, as the package declares it."""
+  import onebit_optax  # pylint: disable=import-outside-toplevel
+  return list(onebit_optax.__all__)
+
+
+def _section_of(name: str) -> str:
+  import onebit_optax  # pylint: disable=import-outside-toplevel
+  module = getattr(getattr(onebit_optax, name), "__module__", "") or ""
+  short = module.rsplit(".", 1)[-1]
+  for key, title in API_SECTIONS:
+    if short == key:
+      return title
+  return short.strip("_").replace("_", " ").capitalize() or "Other"
+
+
+def api_index() -> str:
+  """The API index page: an autosummary table per section, every public name once."""
+  order = [title for _, title in API_SECTIONS]
+  sections: dict[str, list[str]] = {}
+  for name in public_names():
+    sections.setdefault(_section_of(name), []).append(name)
+  titles = sorted(sections, key=lambda t: (order.index(t) if t in order else len(order), t))
+  lines = [
+      "# API reference", "",
+      "Every public name of `onebit_optax` (its `__all__`), from the docstrings. "
+      "This page is generated by `docs/_ext/onebit_docs.py` at build time.", "",
+      "```{eval-rst}", ".. currentmodule:: onebit_optax", "```", ""]
+  for title in titles:
+    lines += [f"## {title}", "", "```{eval-rst}", ".. autosummary::", "   :toctree: generated",
+              ""]
+    lines += [f"   {name}" for name in sorted(sections[title], key=str.lower)]
+    lines += ["```", ""]
+  lines += [
+      "## The launcher", "",
+      "`onebit_optax.launch` starts N local processes for `jax.distributed` "
+      "(see {doc}`/guides/multihost`).", "",
+      "```{eval-rst}", ".. automodule:: onebit_optax.launch", "   :members: initialize",
+      "```", ""]
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# The Results pages.
+
+
+def result_names() -> list[str]:
+  """The results files that get a page (excerpts excluded)."""
+  return sorted(p.stem for p in RESULTS.glob("*.md")
+                if not any(p.stem.endswith(suffix) for suffix in EXCERPTS))
+
+
+def renumber_headings(text: str, top: int = 2) -> str:
+  """Renumbers markdown headings so they nest from level ``top`` with no level skipped."""
+  stack: list[int] = []
+  out = []
+  in_code = False
+  for line in text.splitlines():
+    if line.startswith("```"):
+      in_code = not in_code
+    match = None if in_code else re.match(r"^(#{1,6}) (.*)$", line)
+    if match:
+      level = len(match.group(1))
+      while stack and stack[-1] >= level:
+        stack.pop()
+      stack.append(level)
+      line = "#" * min(top + len(stack) - 1, 6) + " " + match.group(2)
+    out.append(line)
+  return "\n".join(out)
+
+
+def _first_heading(text: str) -> str | None:
+  match = re.search(r"^#{1,6} (.*)$", text, flags=re.M)
+  return match.group(1).strip() if match else None
+
+
+def result_page(name: str) -> str:
+  """The page of ``benchmarks/results/NAME.md``: title, intro, source line, the file."""
+  text = (RESULTS / f"{name}.md").read_text(encoding="utf-8").strip()
+  heading = _first_heading(text)
+  if heading is not None and text.lstrip().startswith("#"):
+    text = text.split("\n", 1)[1] if "\n" in text else ""  # The title is the page's.
+  title = heading or name.replace("_", " ")
+  body = renumber_headings(text)
+  lines = [f"# {title}", ""]
+  if name in RESULT_INTROS:
+    lines += [RESULT_INTROS[name], ""]
+  script = name.split("_quick")[0].split("_rates")[0].split("_hier")[0]
+  lines += [
+      f"*Generated from `benchmarks/results/{name}.md`, written by "
+      f"`benchmarks/{script}.py`; command, commit, machine and load as the benchmark "
+      "recorded them.*", "", body, ""]
+  png = RESULTS / f"{name}.png"
+  if png.exists() and f"({name}.png)" not in text:
+    lines += [f"![{name}]({name}.png)", ""]
+  return "\n".join(lines)
+
+
+# The order of the Results toctree; other results pages follow alphabetically.
+RESULT_ORDER = ("convergence", "comm_throughput", "comm_throughput_rates", "comm_throughput_hier",
+                "scaling_model", "bounded_update", "wire_overhead", "optimizer_compute",
+                "compile_time", "digits_gap", "convergence_quick")
+
+
+def results_toctree(names: list[str]) -> str:
+  """The toctree of the Results pages (included by ``results/index.md``)."""
+  ordered = sorted(names, key=lambda n: (RESULT_ORDER.index(n) if n in RESULT_ORDER
+                                         else len(RESULT_ORDER), n))
+  return "\n".join(["```{toctree}", ":maxdepth: 1", ""] + [f"generated/{n}" for n in ordered]
+                   + ["```", ""])
+
+
+# ----------------------------------------------------------------------------
+# Writing the generated sources.
+
+
+def _write(path: Path, text: str) -> None:
+  """Writes only when the text changed (Sphinx rebuilds what is newer)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  if not path.exists() or path.read_text(encoding="utf-8") != text:
+    path.write_text(text, encoding="utf-8")
+
+
+def _copy(src: Path, dst: Path) -> None:
+  dst.parent.mkdir(parents=True, exist_ok=True)
+  if not dst.exists() or dst.read_bytes() != src.read_bytes():
+    shutil.copyfile(src, dst)
+
+
+def generate(docs: Path) -> None:
+  """Writes the generated sources under the docs source folder ``docs``."""
+  _write(docs / "api" / "index.md", api_index())
+  out = docs / "results" / "generated"
+  names = result_names()
+  for name in names:
+    _write(out / f"{name}.md", result_page(name))
+  for png in RESULTS.glob("*.png"):
+    _copy(png, out / png.name)
+  for stale in out.glob("*.md"):
+    if stale.stem not in names:
+      stale.unlink()
+  # Included by hand-written pages: a suffix Sphinx does not read as a page.
+  _write(out / "toctree.inc", results_toctree(names))
+  # The freeze study (an excerpt of the convergence results) for the freeze guide.
+  freeze = RESULTS / "convergence_freeze.md"
+  freeze_text = (renumber_headings(freeze.read_text(encoding="utf-8"), top=3)
+                 if freeze.exists() else "_Not generated yet: run `python benchmarks/convergence.py`._")
+  _write(docs / "guides" / "generated" / "freeze_study.inc", freeze_text + "\n")
+  notebook = NOTEBOOK.read_text(encoding="utf-8").replace("](../README.md)", "](../index.md)")
+  _write(docs / "notebooks" / NOTEBOOK.name, notebook)
+
+
+# ----------------------------------------------------------------------------
+# NamedTuple fields: their source comments as docstrings.
+
+
+def _field_comments(cls) -> dict[str, str]:
+  try:
+    source = inspect.getsource(cls)
+  except (OSError, TypeError):
+    return {}
+  return {m.group(1): m.group(2).strip()
+          for m in re.finditer(r"^\s+(\w+): [^#\n]+#\s*(.+)$", source, flags=re.M)}
+
+
+def _field_docstring(app, what, name, obj, options, lines):
+  del app, obj, options
+  if what != "attribute" or not lines or not lines[0].startswith("Alias for field number"):
+    return
+  owner, _, field = name.rpartition(".")
+  module, _, cls_name = owner.rpartition(".")
+  cls = getattr(sys.modules.get(module), cls_name, None)
+  comment = _field_comments(cls).get(field) if cls is not None else None
+  if comment:
+    lines[:] = [comment.replace("*", r"\*")]
+
+
+def setup(app):
+  app.connect("autodoc-process-docstring", _field_docstring)
+  return {"parallel_read_safe": True, "parallel_write_safe": True}
+
+
+if __name__ == "__main__":
+  generate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs")
