@@ -1,0 +1,393 @@
+"""0/1 Adam on 8 devices against an independent numpy simulation of 8 workers, optax.adam and its HLO.
+
+The simulation is written from the algorithm (Lu et al. 2023, DeepSpeed's
+``zoadam.py`` for the schedules and the sync) and the package's documented wire
+format (one RMS scale per leaf on the workers' side, one per segment on the
+servers', leaves under 64 elements exact); it imports nothing from
+``onebit_optax`` (the layout model is tests/_flat.py, numpy).
+
+The problem: each device ``i`` has its own quadratic, loss
+``0.5 sum c_i (p - t_i)^2`` over four leaves ``a`` (100, compressed), ``b``
+(20, exact), ``g`` (a scalar, exact) and ``w`` (60 x 20, compressed). Its
+gradient ``c_i (p - t_i)`` is one subtraction and one multiplication, rounded
+the same way by numpy and XLA, so both runs see the same gradients as long as
+their parameters agree; what remains are the orders of the sums (the RMS
+scales, the per-leaf variance norms) and float32 ``pow`` in the bias
+corrections. A compressed value within rounding of 0 could flip its sign in one
+run only; the simulation records the smallest ``|value| / scale`` it compressed
+(``margin``), printed on failure.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import onebit_optax
+import _flat
+import _hlo
+
+F32 = np.float32
+N = 8
+SHAPES = {"a": (100,), "b": (20,), "g": (), "w": (60, 20)}
+NAMES = sorted(SHAPES)
+SIZES = [int(np.prod(SHAPES[k], dtype=int)) for k in NAMES]
+B1, B2, EPS, LR, WD, FLOOR = 0.9, 0.99, 1e-8, 0.05, 0.01, 0.01
+KAPPA = 3  # variance steps 1-3, then 4, 6, 8, then 12, 16, 20, ... (interval 1, 2, 4, ...)
+FREEZE = 14  # last step that may update the variance
+TOL = 2e-5  # of the largest |value| of the compared tree
+
+
+def _problem(seed=0):
+  rng = np.random.default_rng(seed)
+  c = {k: rng.uniform(0.2, 2.0, size=(N,) + SHAPES[k]).astype(F32) for k in NAMES}
+  t = {k: (rng.normal(size=(N,) + SHAPES[k]) + 0.5).astype(F32) for k in NAMES}
+  c["a"][:, :3] = 0.0  # three coordinates never see a gradient: v = 0, they must stay put
+  params = {k: (rng.normal(size=SHAPES[k]) * 0.1).astype(F32) for k in NAMES}
+  return params, c, t
+
+
+def _loss(p, c, t):
+  return sum(0.5 * jnp.sum(c[k] * jnp.square(p[k] - t[k])) for k in NAMES)
+
+
+# ----------------------------------------------------------------------------
+# The simulation (numpy only).
+
+
+def _rms(v):
+  return F32(np.sqrt(np.sum(np.square(v, dtype=F32), dtype=F32) / F32(max(v.size, 1))))
+
+
+def _signed(v, scale):
+  return np.where(v >= 0, scale, -scale).astype(F32)
+
+
+class _Wire:
+  """The 1-bit mean with error feedback, as the messages carry it (tests/_flat.py layout)."""
+
+  def __init__(self):
+    compressed, exact = _flat.split(SIZES)
+    self.compressed, self.exact = [NAMES[i] for i in compressed], [NAMES[i] for i in exact]
+    self.bits = _flat.Bits([SIZES[i] for i in compressed], N)
+    self.exact_size = sum(SIZES[i] for i in exact)
+    self.exact_chunk = -(-self.exact_size // N)
+    self.row_bytes = self.bits.chunk // 8 + 4 * (self.bits.S + self.exact_chunk)
+    self.server_error = np.zeros((N, self.bits.chunk), F32)
+    self.margin = np.inf
+
+  def _note(self, v, scale):
+    v, scale = np.broadcast_arrays(np.asarray(v, F32), np.asarray(scale, F32))
+    keep = (v != 0) & (scale > 0)
+    if np.any(keep):
+      self.margin = min(self.margin, float(np.min(np.abs(v[keep]) / scale[keep])))
+
+  def _stream(self, tree):
+    out = np.zeros(self.bits.padded, F32)
+    for k, off, size in zip(self.compressed, self.bits.offsets, self.bits.sizes):
+      out[off:off + size] = np.ravel(tree[k])
+    return out
+
+  def _segment_scale(self, r, leaf_scale):
+    """Per element of chunk r: its segment's scale (a worker sends its leaf's scale)."""
+    out = np.zeros(self.bits.chunk, F32)
+    for leaf, idx in self.bits.segments[r]:
+      out[idx] = leaf_scale(leaf, idx)
+    return out
+
+  def mean(self, sent, exact):
+    """sent[i][k], exact[i][k]: what worker i sends; returns the mean every worker decodes."""
+    bits, real = self.bits, self.bits.real
+    chunk = bits.chunk
+    decoded = []
+    for i in range(N):
+      scales = {k: _rms(sent[i][k]) for k in self.compressed}
+      for k in self.compressed:
+        self._note(sent[i][k], scales[k])
+      stream = self._stream(sent[i])
+      per = np.concatenate([self._segment_scale(
+          r, lambda leaf, idx: scales[self.compressed[leaf]] if leaf >= 0 else 0)
+          for r in range(N)])
+      decoded.append(np.where(real, _signed(stream, per), F32(0)))
+    out = np.zeros(bits.padded, F32)
+    for r in range(N):
+      part = slice(r * chunk, (r + 1) * chunk)
+      total = decoded[0][part]
+      for i in range(1, N):
+        total = total + decoded[i][part]
+      w = np.where(real[part], total / F32(N) + self.server_error[r], F32(0)).astype(F32)
+      seg = self._segment_scale(
+          r, lambda leaf, idx: _rms(w[idx][real[part][idx]]) if real[part][idx].any() else 0)
+      self._note(w[real[part]], seg[real[part]])
+      out[part] = np.where(real[part], _signed(w, seg), F32(0))
+      self.server_error[r] = np.where(real[part], w - _signed(w, seg), F32(0))
+    mean = {k: out[off:off + size].reshape(SHAPES[k])
+            for k, off, size in zip(self.compressed, bits.offsets, bits.sizes)}
+    for k in self.exact:  # float32, averaged exactly (summed over the workers in order)
+      total = np.asarray(exact[0][k], F32)
+      for i in range(1, N):
+        total = total + exact[i][k]
+      mean[k] = (total / F32(N)).astype(F32)
+    return mean
+
+
+class _Simulation:
+  """8 workers running 0/1 Adam (``H``: local steps after ``FREEZE``, None: compressed steps)."""
+
+  def __init__(self, params, c, t, *, H=None, scaler=None):
+    self.p = {k: np.array(v, F32) for k, v in params.items()}
+    self.c, self.t, self.H, self.scaler = c, t, H, scaler
+    zeros = lambda: {k: np.zeros(SHAPES[k], F32) for k in NAMES}
+    self.mu, self.nu, self.nu_l1 = zeros(), zeros(), {k: F32(0) for k in NAMES}
+    self.step_count, self.var_updates, self.interval, self.counter = 0, 0, 1, 0
+    self.wire = _Wire()
+    self.sent = [{k: np.zeros(SHAPES[k], F32) for k in self.wire.compressed} for _ in range(N)]
+    self.scale = [{k: F32(0) for k in self.wire.compressed} for _ in range(N)]
+    self.local_mu = [zeros() for _ in range(N)]
+    self.acc = [zeros() for _ in range(N)]
+    self.lr_sum, self.l_interval, self.l_counter, self.since = F32(0), 1, 0, 0
+    self.phase, self.wire_bytes = "none", 0.0
+
+  def grads(self, local):
+    return [{k: (self.c[k][i] * ((self.p[k] + self.acc[i][k] if local else self.p[k])
+                                 - self.t[k][i])).astype(F32) for k in NAMES} for i in range(N)]
+
+  def _direction(self, m, k, bc1, bc2, bounded):
+    nu = self.nu[k]
+    v_hat = nu / bc2
+    if bounded:
+      v_hat = np.maximum(v_hat, F32(FLOOR) * self.nu_l1[k] / (F32(max(nu.size, 1)) * bc2))
+    step = (m / bc1) / (np.sqrt(v_hat) + F32(EPS))
+    if bounded:
+      bound = F32(max(1.0, (1 - B1) / np.sqrt(1 - B2)))
+      step = np.clip(step, -bound, bound)
+    return np.where(nu > 0, step, F32(0)).astype(F32)
+
+  def _apply(self, directions):
+    for k in NAMES:  # optax.chain(..., add_decayed_weights(WD), scale_by_learning_rate(LR))
+      self.p[k] = (self.p[k] + (-F32(LR)) * (directions[k] + F32(WD) * self.p[k])).astype(F32)
+
+  def _variance(self, t):
+    grads = self.grads(False)
+    self.var_updates += 1
+    bc1, bc2 = F32(1) - F32(B1) ** t, F32(1) - F32(B2) ** self.var_updates
+    d = {}
+    for k in NAMES:
+      total = grads[0][k]
+      for i in range(1, N):
+        total = total + grads[i][k]
+      g = (total * F32(1 / N)).astype(F32)
+      self.mu[k] = (F32(B1) * self.mu[k] + F32(1 - B1) * g).astype(F32)
+      self.nu[k] = (F32(B2) * self.nu[k] + F32(1 - B2) * np.square(g)).astype(F32)
+      self.nu_l1[k] = np.sum(self.nu[k], dtype=F32)
+      d[k] = self._direction(self.mu[k], k, bc1, bc2, False)
+    self.counter += 1
+    if self.counter == KAPPA:
+      self.counter, self.interval = 0, 2 * self.interval
+    self._apply(d)
+    self.wire_bytes = _flat.onebit_warmup_bytes(SIZES, N)
+
+  def _feedback(self, i, k):
+    prev = self.sent[i][k]
+    return prev - _signed(prev, self.scale[i][k])
+
+  def _exchange(self, sent, exact):
+    mean = self.wire.mean(sent, exact)
+    for i in range(N):
+      self.sent[i] = {k: sent[i][k] for k in self.wire.compressed}
+      self.scale[i] = {k: _rms(sent[i][k]) for k in self.wire.compressed}
+    self.wire_bytes = 2.0 * (N - 1) * self.wire.row_bytes
+    return mean
+
+  def _compressed(self, t):
+    grads = self.grads(False)
+    sent = [{k: (grads[i][k] + self._feedback(i, k)).astype(F32) for k in self.wire.compressed}
+            for i in range(N)]
+    mean = self._exchange(sent, [{k: grads[i][k] for k in self.wire.exact} for i in range(N)])
+    bc1, bc2 = F32(1) - F32(B1) ** t, F32(1) - F32(B2) ** self.var_updates
+    d = {}
+    for k in NAMES:
+      self.mu[k] = (F32(B1) * self.mu[k] + F32(1 - B1) * mean[k]).astype(F32)
+      d[k] = self._direction(self.mu[k], k, bc1, bc2, True)
+    self._apply(d)
+
+  def _local(self, t):
+    """DeepSpeed's local step and sync, in the parameters' units (module docstring of the package)."""
+    fresh = self.phase in ("none", "variance", "compressed")
+    grads = self.grads(True)
+    bc1, bc2 = F32(1) - F32(B1) ** t, F32(1) - F32(B2) ** self.var_updates
+    lr = F32(LR)
+    for i in range(N):
+      for k in NAMES:
+        base = self.mu[k] if fresh else self.local_mu[i][k]
+        m = (F32(B1) * base + F32(1 - B1) * grads[i][k]).astype(F32)
+        d = self._direction(m, k, bc1, bc2, True)
+        theta = self.p[k] + self.acc[i][k]
+        self.local_mu[i][k] = m
+        self.acc[i][k] = (self.acc[i][k] - lr * (d + F32(WD) * theta)).astype(F32)
+    self.lr_sum = F32(self.lr_sum + lr)
+    sync = self.since + 1 >= self.l_interval
+    self.wire_bytes = 0.0
+    if sync:
+      if fresh:  # the error buffers held the gradients' errors: they restart
+        self.sent = [{k: np.zeros(SHAPES[k], F32) for k in self.wire.compressed} for _ in range(N)]
+        self.scale = [{k: F32(0) for k in self.wire.compressed} for _ in range(N)]
+        self.wire.server_error[:] = 0
+      denominator = {k: np.sqrt(np.maximum(self.nu[k] / bc2, F32(FLOOR) * self.nu_l1[k] / (
+          F32(max(self.nu[k].size, 1)) * bc2))) + F32(EPS) for k in NAMES}
+      scaled = [{k: (self.acc[i][k] * denominator[k]).astype(F32) for k in NAMES} for i in range(N)]
+      sent = [{k: (scaled[i][k] + self._feedback(i, k)).astype(F32) for k in self.wire.compressed}
+              for i in range(N)]
+      mean = self._exchange(sent, [{k: scaled[i][k] for k in self.wire.exact} for i in range(N)])
+      for k in NAMES:
+        self.p[k] = (self.p[k] + np.where(self.nu[k] > 0, mean[k] / denominator[k], F32(0))).astype(F32)
+        self.mu[k] = (-mean[k] * bc1 / self.lr_sum).astype(F32)
+        for i in range(N):
+          self.local_mu[i][k] = self.mu[k].copy()
+          self.acc[i][k] = np.zeros(SHAPES[k], F32)
+      self.lr_sum, self.since = F32(0), 0
+    else:
+      self.since += 1
+    self.l_counter += 1
+    if self.l_counter == self.scaler:
+      self.l_counter, self.l_interval = 0, min(self.H, 2 * self.l_interval)
+    return sync
+
+  def step(self):
+    self.step_count += 1
+    t = self.step_count
+    frozen = t > FREEZE
+    if not frozen and t % self.interval == 0:
+      self._variance(t)
+      self.phase = "variance"
+    elif frozen and self.H is not None:
+      self.phase = "sync" if self._local(t) else "local"
+    else:
+      self._compressed(t)
+      self.phase = "compressed"
+
+
+# ----------------------------------------------------------------------------
+# The JAX run on 8 devices.
+
+
+def _mesh():
+  assert jax.device_count() == N
+  return jax.make_mesh((N,), ("data",))
+
+
+def _tx(H=None, scaler=4, **kw):
+  return onebit_optax.zero_one_adam(
+      LR, B1, B2, EPS, WD, axis_name="data", var_freeze_step=kw.pop("freeze", FREEZE),
+      var_update_scaler=kw.pop("kappa", KAPPA), local_steps=H, local_step_scaler=scaler,
+      variance_floor=FLOOR, **kw)
+
+
+@functools.cache
+def _step_fn(H=None, scaler=4, kappa=KAPPA, freeze=FREEZE):
+  """(tx, jitted shard_map train step, state specs) of one configuration (one compile)."""
+  mesh, tx = _mesh(), _tx(H, scaler, kappa=kappa, freeze=freeze)
+  params, _, _ = _problem()
+  specs = onebit_optax.zero_one_partition_specs(
+      jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
+                                   check_vma=False), params), "data")
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                     out_specs=(P(), specs, P("data")))
+  def step(params, opt_state, c, t):
+    local = onebit_optax.zero_one_local_params(params, opt_state, "data")
+    grads = jax.grad(_loss)(local, jax.tree.map(lambda x: x[0], c), jax.tree.map(lambda x: x[0], t))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new = optax.apply_updates(params, updates)
+    # Each device's copy of the parameters, to check that the replicas agree bit for bit.
+    return new, opt_state, jax.tree.map(lambda x: jax.lax.pcast(x, "data", to="varying")[None], new)
+
+  return tx, step, specs
+
+
+def _start(H=None, scaler=4, seed=0, **kw):
+  mesh = _mesh()
+  tx, step, _ = _step_fn(H, scaler, **kw)
+  params0, c, t = _problem(seed)
+  state = onebit_optax.init_zero_one_sharded(tx, params0, mesh)
+  put = lambda tree: jax.device_put(tree, NamedSharding(mesh, P("data")))
+  return step, jax.device_put(params0, NamedSharding(mesh, P())), state, put(c), put(t)
+
+
+def _inner(opt_state):
+  return opt_state[0]
+
+
+def _check_against(sim, params, opt_state, at):
+  s = _inner(opt_state)
+  big = lambda tree: max(float(np.max(np.abs(np.asarray(tree[k])))) for k in NAMES) or 1.0
+  for name, actual, expected in (("params", params, sim.p), ("mu", s.mu, sim.mu),
+                                 ("nu", s.nu, sim.nu)):
+    scale = big(expected)
+    for k in NAMES:
+      np.testing.assert_allclose(np.asarray(actual[k]), expected[k], rtol=0, atol=TOL * scale,
+                                 err_msg=f"{name}[{k}] {at}, margin {sim.wire.margin:.2e}")
+  for d in range(N):
+    for j, k in enumerate(sim.wire.compressed):
+      expected = sim.sent[d][k]
+      np.testing.assert_allclose(np.asarray(s.local_sent[j])[d], expected, rtol=0,
+                                 atol=TOL * (float(np.max(np.abs(expected))) or 1.0),
+                                 err_msg=f"local_sent[{k}] device {d} {at}")
+  np.testing.assert_allclose(np.asarray(s.server_error), sim.wire.server_error, rtol=0,
+                             atol=TOL * (float(np.max(np.abs(sim.wire.server_error))) or 1.0),
+                             err_msg=f"server_error {at}")
+  if sim.H is not None:
+    for name, field, expected in (("accumulator", s.accumulator, sim.acc),
+                                  ("local_mu", s.local_mu, sim.local_mu)):
+      scale = max(big(e) for e in expected)  # the tree's magnitude: exact leaves are cancellations
+      for d in range(N):
+        for k in NAMES:
+          np.testing.assert_allclose(np.asarray(field[k])[d], expected[d][k], rtol=0,
+                                     atol=TOL * scale, err_msg=f"{name}[{k}] device {d} {at}")
+  assert onebit_optax.zero_one_phase(opt_state) == sim.phase, at
+  assert float(s.wire_bytes) == pytest.approx(sim.wire_bytes), at
+
+
+def _replicas(copies):
+  """The 8 devices' copies are bitwise identical."""
+  for k, x in copies.items():
+    x = np.asarray(x)
+    assert all(np.array_equal(x[0].view(np.uint32), x[d].view(np.uint32)) for d in range(N)), k
+
+
+@pytest.mark.parametrize("H", [None, 4])
+def test_matches_numpy_simulation(H):
+  """Variance steps (interval 1, 2, 4), compressed steps, the freeze; with H: local steps and syncs."""
+  steps = 26 if H is None else 34
+  step, params, state, c, t = _start(H)
+  params0, c_np, t_np = _problem()
+  sim = _Simulation(params0, c_np, t_np, H=H, scaler=4)
+  phases = []
+  for n in range(steps):
+    params, state, copies = step(params, state, c, t)
+    sim.step()
+    phases.append(sim.phase[0])
+    _check_against(sim, params, state, f"after step {n + 1} ({sim.phase})")
+    _replicas(copies)
+  # Variance steps 1-3 (interval 1), 4, 6, 8 (2), 12 (4); frozen after 14. Local steps:
+  # the sync interval doubles every 4 local-phase steps, up to H = 4.
+  expected = "vvvvcvcvcccvcc" + ("c" * 12 if H is None else "ssss" + "ls" * 2 + "llls" * 3)
+  assert "".join(phases) == expected[:steps]
+
+
+def test_wrong_simulation_fails():
+  """The comparison can fail: a simulation without error feedback diverges from the JAX run."""
+  step, params, state, c, t = _start(None)
+  params0, c_np, t_np = _problem()
+  sim = _Simulation(params0, c_np, t_np)
+  sim._feedback = lambda i, k: np.zeros(SHAPES[k], F32)
+  with pytest.raises(AssertionError):
+    for n in range(16):
+      params, state, _ = step(params, state, c, t)
+      sim.step()
+      _check_against(sim, params, state, f"after step {n + 1}")
