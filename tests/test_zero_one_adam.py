@@ -391,3 +391,75 @@ def test_wrong_simulation_fails():
       params, state, _ = step(params, state, c, t)
       sim.step()
       _check_against(sim, params, state, f"after step {n + 1}")
+
+
+# ----------------------------------------------------------------------------
+# The compiled program: which collectives each kind of step runs.
+
+FAST_CODEGEN = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _deep_params(layers):
+  return {f"l{i:02d}": {"w": jnp.full((16, 16), 0.1), "b": jnp.zeros((16,))} for i in range(layers)}
+
+
+def _deep_loss(p, x):
+  h = x
+  for name in sorted(p):
+    h = jnp.tanh(h @ p[name]["w"] + p[name]["b"])
+  return jnp.mean(h ** 2)
+
+
+def _branch_collectives(H, layers):
+  """Per communicating conditional: per branch, the (kind, dtypes, elements) of its collectives."""
+  mesh = _mesh()
+  tx = _tx(H)
+  params = jax.device_put(_deep_params(layers), NamedSharding(mesh, P()))
+  state = onebit_optax.init_zero_one_sharded(tx, params, mesh)
+  specs = onebit_optax.zero_one_partition_specs(state, "data")
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")),
+                     out_specs=(P(), specs))
+  def step(params, opt_state, x):
+    grads = jax.grad(_deep_loss)(onebit_optax.zero_one_local_params(params, opt_state, "data"), x)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  x = jax.device_put(jnp.ones((2 * N, 16)), NamedSharding(mesh, P("data")))
+  module = _hlo.HloModule.from_compiled(step.lower(params, state, x).compile(FAST_CODEGEN))
+  sig = lambda cs: sorted((c.collective, "".join(sorted(c.dtypes)), c.size) for c in cs)
+  out = {}
+  for cond in module.conditionals():
+    per_branch = [sig(module.collectives(module.reachable([b]))) for b in cond.called]
+    if any(per_branch):
+      out[cond.name] = per_branch
+  outside = sig(module.collectives(module.reachable([module.entry], skip=list(out))))
+  return out, outside, [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+
+
+@pytest.mark.parametrize("H", [None, 4])
+def test_hlo_collectives_per_kind_of_step(H):
+  """Variance step: one f32 all-reduce; compressed step and sync: uint8 only; local step: none.
+
+  The same collectives for 4 leaves and for 24: what goes on the wire is one
+  fused message, and XLA's combiner makes the per-leaf psum one all-reduce.
+  """
+  found = {}
+  for layers in (2, 12) if H is None else (2,):  # (compile time: one leaf count with H)
+    conds, outside, sizes = _branch_collectives(H, layers)
+    d, row_bytes = sum(sizes), _flat.onebit_row_bytes(sizes, N)
+    assert outside == [], outside  # local gradients: no all-reduce in the backward pass
+    branches = [b for per_branch in conds.values() for b in per_branch]
+    variance = [b for b in branches if any(k == "all-reduce" for k, _, _ in b)]
+    assert variance == [[("all-reduce", "f32", d)]], conds
+    onebit = [b for b in branches if any(k == "all-to-all" for k, _, _ in b)]
+    # Compressed step (and, with local steps, the sync and the local branch holding it).
+    assert len(onebit) == (1 if H is None else 3), conds
+    for b in onebit:
+      assert {k for k, _, _ in b} == {"all-to-all", "all-gather"} and len(b) == 2, b
+      assert all(dtype == "u8" and size == N * row_bytes for _, dtype, size in b), (b, row_bytes)
+    if H is not None:  # the local step: the branch of the sync's conditional that is silent
+      assert any(per_branch.count([]) == 1 and len(per_branch) == 2 for per_branch in conds.values())
+    found[layers] = sorted(str([(k, dtype) for k, dtype, _ in b]) for b in branches)
+  assert len(set(map(tuple, found.values()))) == 1, found
