@@ -45,3 +45,101 @@ def test_launch_module_is_documented():
   from onebit_optax import launch
   assert launch.__doc__ and "jax.distributed" in launch.__doc__
   assert inspect.getdoc(launch.initialize)
+
+
+# ----------------------------------------------------------------------------
+# The docs site (docs/): generated sources, checked without running Sphinx (the
+# build itself, warnings as errors, is `python3 dev.py docs`, a CI step).
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+import onebit_docs  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def _autosummary_entries(page: str) -> list[str]:
+  """The names listed under the page's ``.. autosummary::`` directives."""
+  names, inside = [], False
+  for line in page.splitlines():
+    if line.startswith(".. autosummary::"):
+      inside = True
+    elif inside and line.startswith("```"):
+      inside = False
+    elif inside and re.match(r"^   [A-Za-z_]\w*$", line):
+      names.append(line.strip())
+  return names
+
+
+def test_every_public_name_has_one_api_entry():
+  entries = _autosummary_entries(onebit_docs.api_index())
+  assert sorted(entries) == sorted(onebit_optax.__all__)
+  assert len(entries) == len(set(entries)), "a name is listed twice"
+
+
+def test_api_index_follows_all(monkeypatch):
+  # A name added to __all__ from a new module appears, in a section of its own,
+  # without editing the docs.
+  def brand_new_optimizer():
+    """A stand-in."""
+  brand_new_optimizer.__module__ = "onebit_optax._brand_new"
+  monkeypatch.setattr(onebit_optax, "brand_new_optimizer", brand_new_optimizer, raising=False)
+  monkeypatch.setattr(onebit_optax, "__all__", tuple(onebit_optax.__all__) + ("brand_new_optimizer",))
+  page = onebit_docs.api_index()
+  assert "brand_new_optimizer" in _autosummary_entries(page)
+  assert "## Brand new\n" in page
+
+
+def test_renumber_headings_nests_without_gaps():
+  text = "#### A\n\ntext\n\n###### B\n```\n# not a heading\n```\n#### C\n# D\n### E"
+  out = onebit_docs.renumber_headings(text)
+  outside_code = re.sub(r"```.*?```", "", out, flags=re.S)
+  assert re.findall(r"^(#+) (\w)", outside_code, flags=re.M) == [
+      ("##", "A"), ("###", "B"), ("##", "C"), ("##", "D"), ("###", "E")]
+  assert "# not a heading" in out
+
+
+def test_every_results_file_has_a_page_with_its_tables(tmp_path):
+  onebit_docs.generate(tmp_path)
+  results = ROOT / "benchmarks" / "results"
+  full = [p for p in results.glob("*.md") if not p.stem.endswith(onebit_docs.EXCERPTS)]
+  assert full, "no results files"
+  toctree = (tmp_path / "results" / "generated" / "toctree.inc").read_text()
+  for md in full:
+    page = (tmp_path / "results" / "generated" / md.name).read_text()
+    assert f"generated/{md.stem}\n" in toctree, md.stem
+    assert page.startswith("# "), md.stem
+    # Every table row of the benchmark's file is on its page, as written.
+    for row in (line for line in md.read_text().splitlines() if line.startswith("|")):
+      assert row in page, (md.stem, row)
+    levels = [len(h) for h in re.findall(r"^(#+) ", page, flags=re.M)]
+    assert levels[0] == 1 and all(b <= a + 1 for a, b in zip(levels, levels[1:])), md.stem
+  for png in results.glob("*.png"):
+    assert (tmp_path / "results" / "generated" / png.name).read_bytes() == png.read_bytes()
+
+
+def test_getting_started_code_runs():
+  # The page's code blocks, in order, as one script on 8 simulated devices.
+  page = (ROOT / "docs" / "getting_started.md").read_text()
+  script = "\n\n".join(re.findall(r"```python\n(.*?)```", page, flags=re.S))
+  env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  first, last = map(float, re.search(r"loss (\S+) -> (\S+)", out.stdout).groups())
+  assert last < 0.1 * first, out.stdout
+  assert "compression (froze after step" in out.stdout, out.stdout
+  assert "pmap: " in out.stdout and "frozen: True" in out.stdout, out.stdout
+
+
+def test_readme_is_the_front_door():
+  readme = (ROOT / "README.md").read_text()
+  assert len(readme.splitlines()) <= 250
+  for command in ("python3 dev.py demo", "python3 dev.py test"):
+    assert command in readme
+  # Links into the docs point at pages that exist.
+  for target in re.findall(r"\]\((docs/[^)#]+)", readme):
+    assert (ROOT / target).exists(), target

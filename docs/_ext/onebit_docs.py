@@ -223,6 +223,13 @@ def results_toctree(names: list[str]) -> str:
                    + ["```", ""])
 
 
+def headline_summary() -> str:
+  """The README's summary table (``benchmarks/update_readme.py``), linking to the pages here."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import update_readme  # pylint: disable=import-outside-toplevel
+  return update_readme.summary(link=lambda name: f"[{name}](generated/{name}.md)")
+
+
 # ----------------------------------------------------------------------------
 # Writing the generated sources.
 
@@ -254,6 +261,7 @@ def generate(docs: Path) -> None:
       stale.unlink()
   # Included by hand-written pages: a suffix Sphinx does not read as a page.
   _write(out / "toctree.inc", results_toctree(names))
+  _write(out / "summary.inc", headline_summary() + "\n")
   # The freeze study (an excerpt of the convergence results) for the freeze guide.
   freeze = RESULTS / "convergence_freeze.md"
   freeze_text = (renumber_headings(freeze.read_text(encoding="utf-8"), top=3)
