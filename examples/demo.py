@@ -64,9 +64,10 @@ def _parse_args(argv):
   parser.add_argument("--log-every", type=int, default=10,
                       help="steps between progress-bar refreshes (each one waits for the device)")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--figure", default=os.path.join(tempfile.gettempdir(),
-                                                       "onebit_optax_demo.png"),
-                      help="where to save the figure (loss curves, freeze step, bytes sent)")
+  parser.add_argument("--figure", default=None,
+                      help="where to save the figure (loss curves, freeze step, bytes sent); "
+                      "default: onebit_optax_demo_<run>.png in the temp directory, <run> "
+                      "naming the mesh (8dev, 2x4dev) and the optimizers")
   parser.add_argument("--check-replicas-every", type=int, default=100,
                       help="steps between checks that every device holds the same "
                       "parameters (0: only at the end)")
@@ -77,7 +78,33 @@ def _parse_args(argv):
     parser.error(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
   if args.freeze_step is not None and args.freeze_step < 1:
     parser.error("--freeze-step must be >= 1")
+  if args.figure is None:  # one file per kind of run: a flat and a --nodes run do not overwrite
+    args.figure = os.path.join(tempfile.gettempdir(), f"onebit_optax_demo_{run_tag(args)}.png")
   return args
+
+
+def run_tag(args) -> str:
+  """Names the run in file names: ``8dev``, ``2x4dev``, plus the optimizer if only one runs."""
+  mesh = (f"{args.nodes}x{args.devices // args.nodes}dev" if args.nodes > 1
+          else f"{args.devices}dev")
+  return mesh if args.optimizer == "both" else f"{mesh}_{args.optimizer}"
+
+
+def mesh_description(args, platform=None) -> str:
+  """``8 CPU devices``, or ``2 nodes x 4 CPU devices`` for a hierarchical run."""
+  platform = platform or jax.devices()[0].platform.upper()
+  if args.nodes > 1:
+    return f"{args.nodes} nodes x {args.devices // args.nodes} {platform} devices"
+  return f"{args.devices} {platform} devices"
+
+
+def bytes_note(args) -> str:
+  """What the byte rows count: every device's traffic, or only the slow axis's (--nodes)."""
+  if args.nodes > 1:
+    return ("bytes: what each device sends over the slow 'node' axis (between nodes) only; "
+            "the float32 traffic inside a node ('local' axis) is not counted (Adam: its "
+            "1/L slice after a reduce-scatter inside the node, L = devices per node)")
+  return "bytes: what each device sends per step (ring all-reduce model for float32)"
 
 
 def _simulate_cpu_devices(count: int) -> None:
@@ -364,8 +391,9 @@ def _bytes(x):
   return f"{x / 1e3:.3f} kB"
 
 
-def report(results, args, n):
+def report(results, args):
   """Prints the side-by-side table."""
+  n = args.devices
   cols = [r["label"] for r in results]
   rows = []
 
@@ -398,9 +426,10 @@ def report(results, args, n):
   line = lambda cells: "  ".join(  # noqa: E731
       [cells[0].ljust(width)] + [c.rjust(w) for c, w in zip(cells[1:], col_w)])
   print()
-  print(f"{results[0]['num_params']:,} parameters, {n} devices, {args.steps} steps, "
-        f"global batch {args.batch} ({args.batch // n} per device); final metrics on "
+  print(f"{results[0]['num_params']:,} parameters, {mesh_description(args)}, {args.steps} "
+        f"steps, global batch {args.batch} ({args.batch // n} per device); final metrics on "
         f"{EVAL_WINDOWS} fixed windows per split")
+  print(bytes_note(args))
   for r in results:
     if r["label"] != "Adam":
       print(f"{r['label']} freeze policy: {r['freeze']}")
@@ -435,6 +464,15 @@ def _smooth(values, window):
   return (sums[1:] - sums[np.maximum(np.arange(1, len(values) + 1) - window, 0)]) / counts
 
 
+def figure_title(results, args) -> str:
+  """Says which run the figure is: the optimizers, the mesh, the steps, what the bytes count."""
+  names = " vs ".join(r["label"] for r in results)
+  title = f"{names}, {mesh_description(args)}, {args.steps} steps"
+  if args.nodes > 1:
+    title += "\nbytes: over the slow 'node' axis only (between nodes)"
+  return title
+
+
 def plot(results, args, path: str) -> str:
   """Saves the loss curves, the freeze step and the bytes sent so far; returns the path."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -458,9 +496,10 @@ def plot(results, args, path: str) -> str:
   loss_ax.set_xlabel("step")
   loss_ax.set_ylabel("training batch loss (nats" + (
       f", mean of the last {window} steps)" if window > 1 else ")"))
-  bytes_ax.set_ylabel("MB sent per device so far")
+  bytes_ax.set_ylabel("MB sent per device so far" + (
+      " (between nodes)" if args.nodes > 1 else ""))
   bytes_ax.set_ylim(bottom=0)
-  title = f"Adam vs 1-bit Adam, {args.devices} devices, {args.steps} steps"
+  title = figure_title(results, args)
   never = [r for r in results if r["status"] is not None and r["froze_at"] is None]
   if never:
     title += "\n1-bit Adam never froze (no compression): see the status printed by the demo"
@@ -492,11 +531,11 @@ def main(argv=None) -> int:
   data = load_corpus(args.context)
   print(f"pydoc_data.topics: {len(data[0]):,} train / {len(data[1]):,} val characters, "
         f"vocabulary {data[2]}; LR warmup {lr_warmup} steps then cosine decay; "
-        f"{args.devices} x {jax.devices()[0].platform.upper()} devices", flush=True)
+        f"{mesh_description(args, jax.devices()[0].platform.upper())}", flush=True)
 
   names = {"both": ("adam", "onebit"), "adam": ("adam",), "onebit": ("onebit",)}[args.optimizer]
   results = [train(name, args, mesh, data, lr_warmup) for name in names]
-  report(results, args, args.devices)
+  report(results, args)
   print(f"\nfigure saved to {plot(results, args, args.figure)}")
   return 0
 

@@ -52,6 +52,27 @@ def _bytes(cell):
   return float(value) * UNITS[unit]
 
 
+def test_flat_run_says_its_mesh_and_what_the_bytes_count(demo_output):
+  assert f"; {DEVICES} CPU devices" in demo_output.splitlines()[0]
+  assert re.search(rf"^[\d,]+ parameters, {DEVICES} CPU devices, {STEPS} steps", demo_output, re.M)
+  assert "bytes: what each device sends per step" in demo_output
+
+
+def test_runs_get_their_own_figure_and_a_title_that_names_them():
+  from examples import demo
+  flat, nodes = demo._parse_args([]), demo._parse_args(["--nodes", "2"])
+  adam_only = demo._parse_args(["--optimizer", "adam"])
+  paths = {flat.figure, nodes.figure, adam_only.figure}
+  assert len(paths) == 3, paths  # a --nodes run does not overwrite the flat run's figure
+  assert os.path.basename(nodes.figure) == "onebit_optax_demo_2x4dev.png"
+  assert os.path.basename(flat.figure) == "onebit_optax_demo_8dev.png"
+  labels = [{"label": "Adam"}, {"label": "1-bit Adam"}]
+  assert demo.figure_title(labels, flat) == "Adam vs 1-bit Adam, 8 CPU devices, 1000 steps"
+  title = demo.figure_title(labels, nodes)
+  assert title.startswith("Adam vs 1-bit Adam, 2 nodes x 4 CPU devices, 1000 steps\n")
+  assert "slow 'node' axis only" in title
+
+
 def test_table_has_both_optimizers_with_finite_losses(demo_output):
   header = next(line for line in demo_output.splitlines() if line.strip().startswith("Adam"))
   assert header.split() == ["Adam", "1-bit", "Adam"]
@@ -129,6 +150,13 @@ def test_hierarchical_demo_counts_the_bytes_between_nodes(tmp_path):
   # quarter of the flat buffer per device (see README, hierarchical averaging).
   output = _run_demo("--nodes", "2", "--steps", "16", "--freeze-step", "6",
                      "--figure", str(tmp_path / "f.png"), "--check-replicas-every", "5")
+  # The mesh as it is (not "8 x CPU devices"), and a note that the bytes are the slow axis's.
+  assert output.splitlines()[0].endswith("; 2 nodes x 4 CPU devices"), output.splitlines()[0]
+  assert re.search(r"^[\d,]+ parameters, 2 nodes x 4 CPU devices, 16 steps", output, re.M)
+  assert "8 CPU devices" not in output and "8 x CPU" not in output
+  note = next(l for l in output.splitlines() if l.startswith("bytes: "))
+  assert "over the slow 'node' axis (between nodes) only" in note
+  assert output.index(note) < output.index("bytes/device/step, full precision")
   num_params = int(re.search(r"^([\d,]+) parameters", output, re.M)[1].replace(",", ""))
   sizes = _leaf_sizes(int(re.search(r"vocabulary (\d+)", output)[1]))
   nodes, local = 2, DEVICES // 2
