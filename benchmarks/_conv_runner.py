@@ -85,6 +85,7 @@ class Runner:
 
   kinds = KINDS
   replicated_kinds = ("adamw", "naive")
+  on_steps = None  # called with the number of steps after each chunk (a progress bar)
 
   def __init__(self, task, mesh, b2: float = 0.999):
     self.task, self.mesh, self.b2 = task, mesh, b2
@@ -255,6 +256,8 @@ class Runner:
         rec[k].extend(np.asarray(v).astype(np.float64).tolist())
       rec["eval_steps"].append(steps[-1])
       rec["val"].append(self._evaluate(params, self.val_periodic))
+      if self.on_steps is not None:
+        self.on_steps(len(steps))
     final = self._evaluate(params, self.val_full)
     frozen = np.asarray(rec["frozen"], bool)
     if kind in ("adamw",):

@@ -3,6 +3,10 @@
     .venv/bin/python benchmarks/convergence.py            # the full protocol (~35 min on 2 cores)
     .venv/bin/python benchmarks/convergence.py --quick    # a smoke run (a few minutes)
 
+A progress bar counts the training steps of every run of the protocol and
+shows the time left (``--no-progress`` turns it off; each finished run is still
+printed on its own line).
+
 The protocol, for every task of ``_conv_tasks.py`` (a char GPT and a BERT-style
 masked LM on CPython's ``pydoc_data.topics`` prose, an MLP on scikit-learn's
 digits), data-parallel on 8 simulated CPU devices (``_conv_runner.py``). The
@@ -56,6 +60,7 @@ import time
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _conv_report  # pylint: disable=g-import-not-at-top
@@ -71,7 +76,47 @@ def _mean_final(recs) -> float:
   return float(np.mean([r["final_val"] for r in recs]))
 
 
-def _sweep_adamw(runner, task, seeds, log, extensions=MAX_EXTENSIONS):
+class Progress:
+  """One tqdm bar over the training steps of every run, with the time left.
+
+  The plan is counted up front (``planned_runs``); a sweep that extends at an
+  edge, or a 1-bit learning rate other than AdamW's, adds its runs when it
+  happens (``expect``), so the estimate only grows when the work does.
+  """
+
+  def __init__(self, total_steps: int, enabled: bool = True):
+    self.total, self.done = total_steps, 0  # counted here too: a disabled bar counts nothing
+    self.bar = tqdm(total=total_steps, unit="step", disable=not enabled, smoothing=0.1,
+                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} steps "
+                               "[{elapsed} elapsed, {remaining} left]")
+
+  def update(self, steps: int) -> None:
+    self.done += steps
+    self.bar.update(steps)
+
+  def expect(self, runs: int, steps: int) -> None:
+    self.total += runs * steps
+    self.bar.total = self.total
+    self.bar.refresh()
+
+  def task(self, name: str) -> None:
+    self.bar.set_description(name)
+
+  def close(self) -> None:
+    self.bar.close()
+
+
+def planned_runs(task, seeds, eval_seeds, fractions) -> int:
+  """Runs of ``run_task`` before any sweep extension (``Progress.expect`` adds those)."""
+  select, fresh = seed_sets(task, seeds, eval_seeds)
+  fixed = len({max(1, int(round(f * task.steps))) for f in fractions})
+  return (2 * len(task.lrs) * len(select)  # the AdamW and the 1-bit Adam sweeps
+          + 2 * len(fresh)                 # the evaluation, 1-bit at AdamW's lr
+          + fixed * len(select)            # the freeze-step study
+          + 2)                             # the failing references
+
+
+def _sweep_adamw(runner, task, seeds, log, extensions=MAX_EXTENSIONS, progress=None):
   """AdamW at every learning rate; extends the sweep by x3 at an edge that wins."""
   runs = {}
   lrs = sorted(task.lrs)
@@ -86,6 +131,8 @@ def _sweep_adamw(runner, task, seeds, log, extensions=MAX_EXTENSIONS):
       lrs = [best * 3]
     else:
       break
+    if progress is not None and len(runs) < len(task.lrs) + extensions:
+      progress.expect(2 * len(seeds), task.steps)  # AdamW and 1-bit Adam at the new lr
   return dict(sorted(runs.items())), best
 
 
@@ -96,9 +143,11 @@ def seed_sets(task, seeds=None, eval_seeds=None) -> tuple[tuple, tuple]:
           tuple(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + n_eval)))
 
 
-def _evaluate(runner, best_lr, own_lr, seeds, log) -> dict:
+def _evaluate(runner, best_lr, own_lr, seeds, log, progress=None) -> dict:
   """The final comparison on fresh seeds: AdamW and 1-bit Adam at AdamW's lr, 1-bit at its own."""
   out = {kind: [log(runner.run(kind, best_lr, s)) for s in seeds] for kind in ("adamw", "onebit")}
+  if own_lr != best_lr and progress is not None:
+    progress.expect(len(seeds), runner.task.steps)
   out["onebit_own"] = (out["onebit"] if own_lr == best_lr
                        else [log(runner.run("onebit", own_lr, s)) for s in seeds])
   return out
@@ -110,15 +159,18 @@ def _freeze_study(runner, task, best_lr, seeds, fractions, log) -> dict:
 
 
 def run_task(task, mesh, seeds, fractions, log, extensions=MAX_EXTENSIONS,
-             eval_seeds=None) -> dict:
+             eval_seeds=None, progress=None) -> dict:
   """The whole protocol for one task; returns every record."""
   select, fresh = seed_sets(task, seeds, eval_seeds)
   runner = _conv_runner.Runner(task, mesh)
+  if progress is not None:
+    progress.task(task.name)
+    runner.on_steps = progress.update
   wall0 = time.time()
-  adamw, best_lr = _sweep_adamw(runner, task, select, log, extensions)
+  adamw, best_lr = _sweep_adamw(runner, task, select, log, extensions, progress)
   onebit = {lr: [log(runner.run("onebit", lr, s)) for s in select] for lr in adamw}
   own_lr = min(onebit, key=lambda lr: _mean_final(onebit[lr]))
-  final = _evaluate(runner, best_lr, own_lr, fresh, log)
+  final = _evaluate(runner, best_lr, own_lr, fresh, log, progress)
   fixed = _freeze_study(runner, task, best_lr, select, fractions, log)
   fired = [r["freeze_step"] for r in onebit[best_lr] if r["freeze_step"]]
   ref_step = int(np.median(fired)) if fired else int(round(0.15 * task.steps))
@@ -145,6 +197,8 @@ def main(argv=None):
                       help="evaluation seeds (default: the task's, 4 or more).")
   parser.add_argument("--from-json", default=None,
                       help="only re-render the tables and the plot from a convergence.json.")
+  parser.add_argument("--no-progress", action="store_true",
+                      help="no progress bar (e.g. when the output goes to a log file).")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                     "results"))
   args = parser.parse_args(argv)
@@ -163,20 +217,25 @@ def main(argv=None):
   meta = _conv_report.machine_meta(command, quick=args.quick)
   wall0 = time.time()
 
+  extensions = 0 if args.quick else MAX_EXTENSIONS
+  progress = Progress(sum(planned_runs(t, seeds, eval_seeds, fractions) * t.steps
+                          for t in tasks), enabled=not args.no_progress)
+
   def log(rec):
     fz = f" freeze {rec['freeze_step']}" if rec["freeze_step"] else ""
-    print(f"  {rec['kind']:11s} lr {rec['lr']:.0e} seed {rec['seed']}: val "
-          f"{rec['final_val']:.4f}{fz}  {rec['total_bytes'] / 1e6:8.1f} MB  "
-          f"{rec['wall_s']:5.1f}s  (t+{(time.time() - wall0) / 60:.1f} min)", flush=True)
+    tqdm.write(f"  {rec['kind']:11s} lr {rec['lr']:.0e} seed {rec['seed']}: val "
+               f"{rec['final_val']:.4f}{fz}  {rec['total_bytes'] / 1e6:8.1f} MB  "
+               f"{rec['wall_s']:5.1f}s  (t+{(time.time() - wall0) / 60:.1f} min)")
     return rec
 
   results = []
   for task in tasks:
-    print(f"{task.name}: {task.title}, {task.steps} steps", flush=True)
-    results.append(run_task(task, mesh, seeds, fractions, log,
-                            extensions=0 if args.quick else MAX_EXTENSIONS,
-                            eval_seeds=eval_seeds))
+    tqdm.write(f"{task.name}: {task.title}, {task.steps} steps")
+    results.append(run_task(task, mesh, seeds, fractions, log, extensions=extensions,
+                            eval_seeds=eval_seeds, progress=progress))
+  progress.close()
   meta = _conv_report.finish_meta(meta, wall0)
+  os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "convergence_quick" if args.quick else "convergence")
   _conv_report.write_json(stem, results, meta)
   md = _conv_report.write(stem, results, meta)
