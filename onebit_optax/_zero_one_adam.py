@@ -74,13 +74,15 @@ def _check_static(var_freeze_step, var_update_scaler, local_steps, local_step_sc
     known = _guards._known(value)
     if known is not None and (known < low or known != int(known)):
       raise ValueError(f"{_CALLER}: {name}={value!r} must be an integer >= {low}.")
+  known = _guards._known(weight_decay)
+  if known is not None and not known >= 0.0:
+    raise ValueError(f"{_CALLER}: weight_decay={weight_decay!r} must be >= 0.")
   if local_steps is None:
-    if learning_rate is not None or _guards._known(weight_decay) != 0.0:
+    if learning_rate is not None:
       raise ValueError(
-          f"{_CALLER}: learning_rate and weight_decay are arguments of the transformation "
-          "only with local steps (the sync divides by the sum of the learning rates); "
-          "without them chain optax.add_decayed_weights and optax.scale_by_learning_rate "
-          "as zero_one_adam does.")
+          f"{_CALLER}: learning_rate is an argument of the transformation only with local "
+          "steps (the sync divides by the sum of the learning rates); without them chain "
+          "optax.scale_by_learning_rate, as zero_one_adam does.")
     return None
   if isinstance(local_steps, bool) or not isinstance(local_steps, (int, np.integer)) or local_steps < 1:
     raise ValueError(
@@ -259,7 +261,7 @@ def _check_update(updates, state, params, hp, axis_name) -> _steps.Plan:
   plan = _plan(updates, axis_name, hp.exact_below, caller)
   _check_layout(updates, state, plan, caller)
   _check_types(updates, params, hp, plan, state, caller)
-  if hp.local_steps is not None and params is None and _guards._known(hp.weight_decay) != 0.0:
+  if params is None and _guards._known(hp.weight_decay) != 0.0:
     raise ValueError(f"{caller}: weight_decay needs params= in update.")
   return plan
 
@@ -341,8 +343,8 @@ def scale_by_zero_one_adam(
   ``params`` stay replicated (the update is 0 on local steps and the synced
   move on a sync, identical bits on every device); differentiate at
   :func:`zero_one_local_params`, this device's :math:`\theta_i`. The learning
-  rate and weight decay are part of the sync, so with local steps they are
-  arguments here and the output is the parameter update itself.
+  rate is part of the sync, so with local steps it is an argument here and the
+  output is the parameter update itself.
 
   **Non-finite gradients** skip a variance or compressed step on every device
   together (zero update, state kept, ``skipped_steps`` + 1; the flag is read
@@ -377,7 +379,8 @@ def scale_by_zero_one_adam(
       between syncs after :math:`T_v`.
     local_step_scaler: local-phase steps per doubling of the sync interval.
     learning_rate: with local steps only: a scalar or a schedule of the step count.
-    weight_decay: with local steps only: decoupled weight decay :math:`\lambda`.
+    weight_decay: decoupled weight decay :math:`\lambda` (added to the direction,
+      as :func:`optax.add_decayed_weights`; not on a skipped step); needs ``params``.
     variance_floor: :math:`f` (0 disables the floor).
     max_update: :math:`B` on compressed and local steps (None: Adam's bound).
     skip_nonfinite: skip non-finite steps on all devices together.
@@ -447,8 +450,9 @@ def zero_one_adam(
 ) -> optax.GradientTransformationExtraArgs:
   r"""0/1 Adam (Lu et al., 2023): 1-bit gradients between exponentially spaced variance steps.
 
-  Without local steps (the default): a chain of :func:`scale_by_zero_one_adam`,
-  decoupled weight decay (as :func:`optax.adamw`; an identity when 0) and
+  Without local steps (the default): a chain of :func:`scale_by_zero_one_adam`
+  (with the decoupled weight decay of :func:`optax.adamw` inside it, so that a
+  skipped step leaves the parameters exactly as they were) and
   :func:`optax.scale_by_learning_rate`. The parameters stay replicated,
   bitwise identical on every device, and the training step is the one of
   :func:`onebit_adam` (README, shard_map recipe).
@@ -503,11 +507,10 @@ def zero_one_adam(
                var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
                variance_floor=variance_floor, max_update=max_update,
                skip_nonfinite=skip_nonfinite, exact_below=exact_below)
+  # The weight decay is applied inside, so that a skipped step does not decay the parameters.
   if local_steps is not None:
     return optax.chain(scale_by_zero_one_adam(
         b1, b2, eps, local_steps=local_steps, learning_rate=learning_rate,
         weight_decay=weight_decay, **inner))
-  decay = (optax.identity() if isinstance(weight_decay, (int, float)) and weight_decay == 0.0
-           else optax.add_decayed_weights(weight_decay))
-  return optax.chain(scale_by_zero_one_adam(b1, b2, eps, **inner), decay,
+  return optax.chain(scale_by_zero_one_adam(b1, b2, eps, weight_decay=weight_decay, **inner),
                      optax.scale_by_learning_rate(learning_rate))

@@ -151,13 +151,14 @@ def _bytes_onebit(plan: Plan) -> float:
   return 2.0 * (plan.axes.n_slow - 1) * plan.layout.row_bytes
 
 
-def _scaled(hp: Hyper, directions, params, sched: Schedule):
-  """With local steps the learning rate and weight decay are applied here: ``-lr (d + wd p)``."""
+def _scaled(hp: Hyper, directions, params, sched: Schedule, finite):
+  """Adds the decoupled weight decay (none on a skipped step) and, with local steps, ``-lr``."""
+  if params is not None:
+    directions = [d + jnp.where(finite, hp.weight_decay * p.astype(F32), 0.0)
+                  for d, p in zip(directions, params)]
   if hp.local_steps is None:
     return directions
-  if params is None:
-    return [-sched.lr * d for d in directions]
-  return [-sched.lr * (d + hp.weight_decay * p.astype(F32)) for d, p in zip(directions, params)]
+  return [-sched.lr * d for d in directions]
 
 
 def leaves_or_none(tree):
@@ -185,7 +186,7 @@ def variance_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) 
   bc1 = bias_correction(hp.b1, sched.count)
   bc2 = bias_correction(hp.b2, state.variance_updates + 1)
   dirs = [direction(hp, m, v, bc1, bc2, 0.0, False, finite) for m, v in zip(mu, nu)]
-  return _passthrough(state, _scaled(hp, dirs, params, sched), mu, nu, nu_l1, finite,
+  return _passthrough(state, _scaled(hp, dirs, params, sched, finite), mu, nu, nu_l1, finite,
                       _bytes_allreduce(plan))
 
 
@@ -218,7 +219,7 @@ def compressed_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params
   # A skipped step keeps what was sent before: its feedback stays valid.
   local_sent = tuple(jnp.where(finite, u, old).astype(old.dtype)
                      for u, old in zip(sent, state.local_sent))
-  return Result(_scaled(hp, dirs, params, sched), mu, nus, state.nu_l1, local_sent,
+  return Result(_scaled(hp, dirs, params, sched, finite), mu, nus, state.nu_l1, local_sent,
                 jnp.where(finite, scales, state.worker_scale), server_error,
                 leaves_or_none(state.local_mu), leaves_or_none(state.accumulator), finite,
                 jnp.float32(_bytes_onebit(plan)))

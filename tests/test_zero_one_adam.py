@@ -414,9 +414,17 @@ def _branch_collectives(H, layers):
   """Per communicating conditional: per branch, the (kind, dtypes, elements) of its collectives."""
   mesh = _mesh()
   tx = _tx(H)
-  params = jax.device_put(_deep_params(layers), NamedSharding(mesh, P()))
-  state = onebit_optax.init_zero_one_sharded(tx, params, mesh)
+  params = _deep_params(layers)
+  state = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
+                                       check_vma=False), params)
   specs = onebit_optax.zero_one_partition_specs(state, "data")
+  # Lowered on abstract values placed as the real ones would be: no init to compile.
+  placed = lambda tree, spec: jax.tree.map(
+      lambda x, sp: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, sp)),
+      tree, spec)
+  shard_like = lambda tree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          (N * x.shape[0],) + x.shape[1:] if x.ndim else x.shape, x.dtype), tree)
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")),
@@ -426,8 +434,10 @@ def _branch_collectives(H, layers):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  x = jax.device_put(jnp.ones((2 * N, 16)), NamedSharding(mesh, P("data")))
-  module = _hlo.HloModule.from_compiled(step.lower(params, state, x).compile(FAST_CODEGEN))
+  state = jax.tree.map(lambda x, sp: x if sp == P() else shard_like(x), state, specs)
+  args = (placed(params, jax.tree.map(lambda _: P(), params)), placed(state, specs),
+          placed(jax.ShapeDtypeStruct((2 * N, 16), jnp.float32), P("data")))
+  module = _hlo.HloModule.from_compiled(step.lower(*args).compile(FAST_CODEGEN))
   sig = lambda cs: sorted((c.collective, "".join(sorted(c.dtypes)), c.size) for c in cs)
   out = {}
   for cond in module.conditionals():
@@ -442,11 +452,11 @@ def _branch_collectives(H, layers):
 def test_hlo_collectives_per_kind_of_step(H):
   """Variance step: one f32 all-reduce; compressed step and sync: uint8 only; local step: none.
 
-  The same collectives for 4 leaves and for 24: what goes on the wire is one
+  The same collectives for 4 leaves and for 16: what goes on the wire is one
   fused message, and XLA's combiner makes the per-leaf psum one all-reduce.
   """
   found = {}
-  for layers in (2, 12) if H is None else (2,):  # (compile time: one leaf count with H)
+  for layers in (2, 8) if H is None else (2,):  # (compile time: one leaf count with H)
     conds, outside, sizes = _branch_collectives(H, layers)
     d, row_bytes = sum(sizes), _flat.onebit_row_bytes(sizes, N)
     assert outside == [], outside  # local gradients: no all-reduce in the backward pass
@@ -463,3 +473,153 @@ def test_hlo_collectives_per_kind_of_step(H):
       assert any(per_branch.count([]) == 1 and len(per_branch) == 2 for per_branch in conds.values())
     found[layers] = sorted(str([(k, dtype) for k, dtype, _ in b]) for b in branches)
   assert len(set(map(tuple, found.values()))) == 1, found
+
+
+# ----------------------------------------------------------------------------
+# Adam, long runs, skipped steps, pmap.
+
+
+def _adamw_reference(steps):
+  """optax.adamw on the mean gradient of the 8 quadratics, step by step (float32, one device)."""
+  params, c_np, t_np = _problem()
+  tx = optax.adamw(LR, B1, B2, EPS, weight_decay=WD)
+  ref = {k: jnp.asarray(v) for k, v in params.items()}
+  ref_state = tx.init(ref)
+  for _ in range(steps):
+    grads = {k: jnp.asarray(np.mean(c_np[k] * (np.asarray(ref[k])[None] - t_np[k]), axis=0))
+             for k in NAMES}
+    updates, ref_state = tx.update(grads, ref_state, ref)
+    ref = optax.apply_updates(ref, updates)
+    yield ref
+
+
+def _assert_adamw(params, ref, at):
+  for k in NAMES:
+    np.testing.assert_allclose(np.asarray(params[k]), np.asarray(ref[k]), rtol=2e-6, atol=1e-6,  # params are O(1)
+                               err_msg=f"{k} {at}")
+
+
+def test_variance_steps_are_optax_adamw_on_8_devices():
+  """Steps 1-4 of the run are all variance steps (interval 1, then 2): AdamW on the mean gradient."""
+  step, params, state, c, t = _start(None)
+  for n, ref in enumerate(_adamw_reference(4)):
+    params, state, _ = step(params, state, c, t)
+    assert onebit_optax.zero_one_phase(state) == "variance"
+    _assert_adamw(params, ref, f"after step {n + 1}")
+
+
+def test_all_variance_steps_is_optax_adamw():
+  """An interval that never doubles and no freeze (one device, the mean gradient): AdamW for 30 steps."""
+  tx = onebit_optax.zero_one_adam(LR, B1, B2, EPS, WD, axis_name=None, var_freeze_step=10**6,
+                                  var_update_scaler=10**6)
+  params, c_np, t_np = _problem()
+  c_mean = jax.tree.map(lambda x: jnp.asarray(x), c_np)
+  t_dev = jax.tree.map(lambda x: jnp.asarray(x), t_np)
+
+  @jax.jit
+  def step(params, state):
+    grads = {k: jnp.mean(c_mean[k] * (params[k][None] - t_dev[k]), axis=0) for k in NAMES}
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = {k: jnp.asarray(v) for k, v in params.items()}
+  state = tx.init(params)
+  for n, ref in enumerate(_adamw_reference(30)):
+    params, state = step(params, state)
+    assert onebit_optax.zero_one_phase(state) == "variance"
+    _assert_adamw(params, ref, f"after step {n + 1}")
+
+
+@pytest.mark.parametrize("H", [None, 4])
+def test_replicas_bitwise_identical_over_120_steps(H):
+  """Parameters identical on every device after every step; with H, every sync restarts the replicas alike."""
+  step, params, state, c, t = _start(H)
+  syncs = drifted = 0
+  for _ in range(120):
+    params, state, copies = step(params, state, c, t)
+    _replicas(copies)
+    s = _inner(state)
+    if H is not None and onebit_optax.zero_one_phase(state) == "sync":
+      syncs += 1
+      for k in NAMES:
+        assert not np.any(np.asarray(s.accumulator[k])), k  # every copy is the synced point
+        mu = np.asarray(s.local_mu[k])
+        assert all(np.array_equal(mu[0], mu[d]) for d in range(N)), k
+    elif H is not None and onebit_optax.zero_one_phase(state) == "local":
+      acc = np.asarray(s.accumulator["w"])
+      drifted += not all(np.array_equal(acc[0], acc[d]) for d in range(N))
+  assert all(np.all(np.isfinite(np.asarray(v))) for v in params.values())
+  if H is not None:
+    assert syncs >= 25 and drifted >= 50, (syncs, drifted)  # the replicas did drift in between
+
+
+def test_nonfinite_steps_are_skipped_on_every_device():
+  """A NaN on one device, on a variance step and on a compressed step: the run equals the one without them."""
+  step, params, state, c, t = _start(None)
+  _, _, t_np = _problem()
+  bad = {k: v.copy() for k, v in t_np.items()}
+  bad["w"][3, 0, 0] = np.nan
+  t_bad = jax.device_put(bad, NamedSharding(_mesh(), P("data")))
+  clean_params, clean_state = params, state
+  for n in range(18):
+    if n in (1, 6):  # steps 2 (variance) and 7 (compressed) of the clean run
+      params, state, _ = step(params, state, c, t_bad)
+    params, state, _ = step(params, state, c, t)
+    clean_params, clean_state, _ = step(clean_params, clean_state, c, t)
+  assert int(_inner(state).skipped_steps) == 2 and int(_inner(clean_state).skipped_steps) == 0
+  same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+                      (params, _inner(state)._replace(skipped_steps=0)),
+                      (clean_params, _inner(clean_state)))
+  assert all(jax.tree.leaves(same)), same
+
+
+def test_nonfinite_local_step_drops_the_interval():
+  """Local steps cannot agree on a NaN; the next sync drops the interval on every device together."""
+  step, params, state, c, t = _start(4)
+  _, _, t_np = _problem()
+  bad = {k: v.copy() for k, v in t_np.items()}
+  bad["a"][5, 50] = np.nan
+  t_bad = jax.device_put(bad, NamedSharding(_mesh(), P("data")))
+  for _ in range(22):  # steps 19, 21: local; 20, 22: syncs
+    params, state, _ = step(params, state, c, t)
+  assert onebit_optax.zero_one_phase(state) == "sync"
+  before = jax.tree.map(np.asarray, params)
+  params, state, _ = step(params, state, c, t_bad)  # step 23: local
+  params, state, copies = step(params, state, c, t)  # 24: local
+  params, state, copies = step(params, state, c, t)  # 25: local
+  params, state, copies = step(params, state, c, t)  # 26: the sync
+  s = _inner(state)
+  assert onebit_optax.zero_one_phase(state) == "sync" and int(s.skipped_steps) == 1
+  assert all(np.array_equal(before[k], np.asarray(params[k])) for k in NAMES)
+  assert all(not np.any(np.asarray(s.accumulator[k])) for k in NAMES)
+  _replicas(copies)
+  for _ in range(8):  # and the run goes on, finite
+    params, state, copies = step(params, state, c, t)
+  assert all(np.all(np.isfinite(np.asarray(v))) for v in params.values())
+  assert not np.array_equal(before["w"], np.asarray(params["w"]))
+
+
+def test_pmap_matches_shard_map():
+  """The same local-steps run under jax.pmap (state and parameters per device, gradients local)."""
+  tx = _tx(4)
+  params0, c_np, t_np = _problem()
+  devices = jax.devices()[:N]
+  params = jax.tree.map(lambda x: np.stack([x] * N), params0)
+  state = jax.pmap(tx.init, axis_name="data", devices=devices)(params)
+
+  @functools.partial(jax.pmap, axis_name="data", devices=devices)
+  def step(params, opt_state, c, t):
+    local = onebit_optax.zero_one_local_params(params, opt_state, "data")
+    grads = jax.grad(_loss)(local, c, t)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  ref_step, ref_params, ref_state, c, t = _start(4)
+  for _ in range(22):  # through variance, compressed, local steps and syncs (22: a sync)
+    params, state = step(params, state, c_np, t_np)
+    ref_params, ref_state, _ = ref_step(ref_params, ref_state, c, t)
+  assert onebit_optax.zero_one_phase(state) == "sync"
+  for k in NAMES:
+    p = np.asarray(params[k])
+    assert all(np.array_equal(p[0], p[d]) for d in range(N)), k
+    np.testing.assert_allclose(p[0], np.asarray(ref_params[k]), rtol=0, atol=1e-6, err_msg=k)
