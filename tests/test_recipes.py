@@ -210,7 +210,11 @@ def test_the_forms_the_guide_warns_about_fail_under_shard_map(frozen_guide, form
         "masked alone": lambda: optax.masked(onebit, trained),
         "adam without mean": lambda: optax.partition(
             {"train": onebit, "frozen": optax.adam(LR)}, labels)}[form]()
-  with pytest.raises(ValueError, match=r"out_specs\[0\] is P\(\) .*could not infer replication"):
+  # shard_map's message at the step, or (once init_sharded runs _partition's check)
+  # the one naming the leaves, at init.
+  with pytest.raises(ValueError, match=r"out_specs\[0\] is P\(\) .*could not infer replication"
+                                       r"|the updates of \['body'\]\['b'\], \['body'\]\['w'\] "
+                                       r"come out of the optimizer per-device"):
     ns["train"](tx, steps=1)
 
 
