@@ -39,8 +39,8 @@ extensions = [
 exclude_patterns = ["_build", "_ext", "**/generated/*.inc", "**.ipynb_checkpoints"]
 templates_path = ["_templates"]
 
-# MyST: $...$ math, ::: fences, anchors for "page.md#section" links.
-myst_enable_extensions = ["dollarmath", "colon_fence", "deflist"]
+# MyST: $...$ math, ::: fences, {.class} on blocks, anchors for "page.md#section" links.
+myst_enable_extensions = ["dollarmath", "colon_fence", "deflist", "attrs_block"]
 myst_heading_anchors = 4
 nb_execution_mode = "off"  # the notebook's committed outputs; running it would take minutes
 

@@ -52,6 +52,22 @@ API_SECTIONS = (
 # summary); their numbers are on the full file's page.
 EXCERPTS = ("_summary", "_freeze")
 
+# Short page titles (the file's own first heading stays, under it); a results
+# file not listed here is titled by its first heading.
+RESULT_TITLES = {
+    "convergence": "Convergence against a tuned AdamW",
+    "convergence_quick": "Convergence, quick protocol (a smoke run)",
+    "comm_throughput": "Throughput on 1 Gbit/s links, 4 processes",
+    "comm_throughput_rates": "Throughput at three link rates",
+    "comm_throughput_hier": "Hierarchical averaging, 2 nodes x 2 processes",
+    "scaling_model": "Scaling to cluster shapes (a model)",
+    "bounded_update": "Bounding the frozen-variance update",
+    "wire_overhead": "Wire overhead and the exact-leaf threshold",
+    "optimizer_compute": "Optimizer compute and memory",
+    "compile_time": "Compile time of the train step",
+    "digits_gap": "Digits: where the gap to AdamW comes from",
+}
+
 # What each benchmark measures, shown above its generated page (prose only: the
 # numbers are in the generated tables below it).
 RESULT_INTROS = {
@@ -182,6 +198,19 @@ def renumber_headings(text: str, top: int = 2) -> str:
   return "\n".join(out)
 
 
+def _mark_tables(text: str) -> str:
+  """Gives every table the class ``onebit-results`` (one line per cell, scrolled: custom.css)."""
+  out, previous = [], ""
+  for line in text.splitlines():
+    if line.startswith("|") and not previous.startswith("|"):
+      if previous.strip():
+        out.append("")
+      out.append("{.onebit-results}")
+    out.append(line)
+    previous = line
+  return "\n".join(out)
+
+
 def _first_heading(text: str) -> str | None:
   match = re.search(r"^#{1,6} (.*)$", text, flags=re.M)
   return match.group(1).strip() if match else None
@@ -191,10 +220,11 @@ def result_page(name: str) -> str:
   """The page of ``benchmarks/results/NAME.md``: title, intro, source line, the file."""
   text = (RESULTS / f"{name}.md").read_text(encoding="utf-8").strip()
   heading = _first_heading(text)
-  if heading is not None and text.lstrip().startswith("#"):
-    text = text.split("\n", 1)[1] if "\n" in text else ""  # The title is the page's.
-  title = heading or name.replace("_", " ")
-  body = renumber_headings(text)
+  title = RESULT_TITLES.get(name)
+  if title is None and heading is not None and text.startswith("#"):
+    title, text = heading, text.split("\n", 1)[1] if "\n" in text else ""
+  title = title or heading or name.replace("_", " ")
+  body = _mark_tables(renumber_headings(text))
   lines = [f"# {title}", ""]
   if name in RESULT_INTROS:
     lines += [RESULT_INTROS[name], ""]
