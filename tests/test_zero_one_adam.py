@@ -410,6 +410,20 @@ def _deep_loss(p, x):
   return jnp.mean(h ** 2)
 
 
+def _placed(mesh, tree, spec):
+  """Abstract values placed on ``mesh`` by ``spec`` (a spec or a tree of specs)."""
+  specs = spec if not isinstance(spec, P) else jax.tree.map(lambda _: spec, tree)
+  return jax.tree.map(lambda x, sp: jax.ShapeDtypeStruct(
+      np.shape(x), jnp.result_type(x), sharding=NamedSharding(mesh, sp)), tree, specs)
+
+
+def _abstract_state(mesh, state, specs, placed_as=None):
+  """The global abstract state (per-device buffers N times longer), placed by ``placed_as``."""
+  grow = lambda x, sp: jax.ShapeDtypeStruct(
+      (N * x.shape[0],) + x.shape[1:] if sp != P() else x.shape, x.dtype)
+  return _placed(mesh, jax.tree.map(grow, state, specs), specs if placed_as is None else placed_as)
+
+
 def _branch_collectives(H, layers):
   """Per communicating conditional: per branch, the (kind, dtypes, elements) of its collectives."""
   mesh = _mesh()
@@ -418,13 +432,6 @@ def _branch_collectives(H, layers):
   state = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
                                        check_vma=False), params)
   specs = onebit_optax.zero_one_partition_specs(state, "data")
-  # Lowered on abstract values placed as the real ones would be: no init to compile.
-  placed = lambda tree, spec: jax.tree.map(
-      lambda x, sp: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, sp)),
-      tree, spec)
-  shard_like = lambda tree: jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(
-          (N * x.shape[0],) + x.shape[1:] if x.ndim else x.shape, x.dtype), tree)
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")),
@@ -434,9 +441,8 @@ def _branch_collectives(H, layers):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  state = jax.tree.map(lambda x, sp: x if sp == P() else shard_like(x), state, specs)
-  args = (placed(params, jax.tree.map(lambda _: P(), params)), placed(state, specs),
-          placed(jax.ShapeDtypeStruct((2 * N, 16), jnp.float32), P("data")))
+  args = (_placed(mesh, params, P()), _abstract_state(mesh, state, specs),
+          _placed(mesh, jax.ShapeDtypeStruct((2 * N, 16), jnp.float32), P("data")))
   module = _hlo.HloModule.from_compiled(step.lower(*args).compile(FAST_CODEGEN))
   sig = lambda cs: sorted((c.collective, "".join(sorted(c.dtypes)), c.size) for c in cs)
   out = {}
@@ -623,3 +629,64 @@ def test_pmap_matches_shard_map():
     p = np.asarray(params[k])
     assert all(np.array_equal(p[0], p[d]) for d in range(N)), k
     np.testing.assert_allclose(p[0], np.asarray(ref_params[k]), rtol=0, atol=1e-6, err_msg=k)
+
+
+# ----------------------------------------------------------------------------
+# Refused configurations (traced only: nothing compiles).
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(var_freeze_step=0), "var_freeze_step"),
+    (dict(var_freeze_step=10, var_update_scaler=0), "var_update_scaler"),
+    (dict(var_freeze_step=10, local_steps=0, learning_rate=0.1), "local_steps"),
+    (dict(var_freeze_step=10, local_steps=4), "learning_rate"),
+    (dict(var_freeze_step=10, learning_rate=0.1), "only with local"),
+    (dict(var_freeze_step=10, weight_decay=-1.0), "weight_decay"),
+])
+def test_refuses_values_that_cannot_work(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    onebit_optax.scale_by_zero_one_adam(axis_name="data", **kwargs)
+
+
+def _trace_step(tx, *, state_specs=None, use_local=True, pass_local_as_params=False):
+  mesh = _mesh()
+  params, c, t = _problem()
+  state = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
+                                       check_vma=False), params)
+  specs = onebit_optax.zero_one_partition_specs(state, "data")
+  in_specs = specs if state_specs is None else jax.tree.map(lambda _: state_specs, specs)
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), in_specs, P("data"), P("data")),
+                     out_specs=P())
+  def step(params, opt_state, c, t):
+    local = (onebit_optax.zero_one_local_params(params, opt_state, "data") if use_local
+             else params)
+    grads = jax.grad(_loss)(local, jax.tree.map(lambda x: x[0], c), jax.tree.map(lambda x: x[0], t))
+    updates, _ = tx.update(grads, opt_state, local if pass_local_as_params else params)
+    return jax.tree.map(jnp.sum, updates)
+
+  return jax.eval_shape(step, _placed(mesh, params, P()),
+                        _abstract_state(mesh, state, specs, in_specs),
+                        _placed(mesh, c, P("data")), _placed(mesh, t, P("data")))
+
+
+def test_refuses_replicated_gradients_and_whole_per_device_buffers():
+  tx = _tx(None)
+  with pytest.raises(ValueError, match="replicated over 'data'"):
+    _trace_step(tx, use_local=False)  # jax.grad all-reduced them in the backward pass
+  with pytest.raises(ValueError, match="arrive whole"):
+    _trace_step(tx, state_specs=P())  # every device would get the same error buffers
+
+
+def test_local_steps_refuse_per_device_params():
+  """With local steps the parameters given to update must be the replicated point of the sync."""
+  with pytest.raises(ValueError, match="replicated parameters"):
+    _trace_step(_tx(4), pass_local_as_params=True)
+
+
+def test_refuses_hierarchical_axes():
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  tx = onebit_optax.zero_one_adam(LR, axis_name=("node", "local"), var_freeze_step=10)
+  with pytest.raises(ValueError, match="hierarchical"):
+    jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
+                                 check_vma=False), _problem()[0])
