@@ -221,3 +221,47 @@ def test_the_check_passes_the_recipes(mesh, form):
   placed, state, specs = _state_and_specs(tx, params, mesh)
   assert _partition.per_device_update_paths(tx, placed, state, mesh, "data", specs) == []
   _partition.check_updates_replicated(tx, placed, state, mesh, "data", specs)
+
+
+def test_hierarchical_mesh_frozen_body_and_an_adam_bias():
+  # (node, local) axes: the 1-bit head over 'node', the Adam bias averaged over both
+  # in float32, the body frozen; head/b against numpy Adam on the full-batch gradient.
+  axes = ("node", "local")
+  mesh = jax.make_mesh((2, N // 2), axes)
+  params, x, y = _problem()
+  labels = {"body": {"w": "frozen", "b": "frozen"}, "head": {"w": "train", "b": "adam"}}
+  tx = optax.partition(
+      {"train": onebit_optax.onebit_adam(LR, axis_name=axes,
+                                         freeze=onebit_optax.fixed_step_freeze(FREEZE)),
+       "adam": optax.chain(onebit_optax.mean_updates(axes), optax.adam(LR)),
+       "frozen": onebit_optax.set_to_zero()}, labels)
+  placed = jax.device_put(params, NamedSharding(mesh, P()))
+  state = onebit_optax.init_sharded(tx, placed, mesh, axes)
+  specs = onebit_optax.state_partition_specs(state, axes)
+  _partition.check_updates_replicated(tx, placed, state, mesh, axes, specs)  # passes
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(axes), P(axes)),
+                     out_specs=(P(), specs))
+  def step(params, state, x, y):
+    grads = jax.grad(_loss)(onebit_optax.local_params(params, axes), x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  xd, yd = jax.device_put((x, y), NamedSharding(mesh, P(axes)))
+  full_grad = jax.jit(jax.grad(_loss))
+  m = v = np.zeros(3)
+  for t in range(1, FREEZE + 4):
+    before = jax.tree.map(np.asarray, placed)
+    g = np.asarray(full_grad(before, x, y)["head"]["b"], np.float64)
+    m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+    expected = before["head"]["b"] - LR * (m / (1 - 0.9 ** t)) / (
+        np.sqrt(v / (1 - 0.999 ** t)) + 1e-8)
+    placed, state = step(placed, state, xd, yd)
+    after = jax.tree.map(np.asarray, placed)
+    np.testing.assert_allclose(after["head"]["b"], expected, rtol=1e-5, atol=1e-6,
+                               err_msg=f"head/b at step {t}")
+    for name in ("w", "b"):
+      np.testing.assert_array_equal(_bits(after["body"][name]), _bits(params["body"][name]))
+  assert bool(onebit_optax.is_frozen(state))
+  assert onebit_optax.assert_replicas_identical(placed) > 0
