@@ -332,3 +332,20 @@ def test_linen_warmup_is_adam_on_the_full_batch_and_then_compresses(nnx_guide):
   for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(_np(state.params)),
                                jax.tree.leaves(reference)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+
+def _matrix_products(ns, tx):
+  params = jax.device_put(ns["init_params"](jax.random.key(0)), NamedSharding(ns["mesh"], P()))
+  state = onebit_optax.init_sharded(tx, params, ns["mesh"])
+  step = ns["make_train_step"](tx, onebit_optax.state_partition_specs(state, "data"))
+  hlo = step.lower(params, state, ns["x"], ns["y"]).compile().as_text()
+  return len(re.findall(r"\bdot\(", hlo))
+
+
+def test_the_frozen_body_costs_no_backward_matmuls(frozen_guide):
+  # The guide: 3 matrix products instead of 5 (the body's weight gradient and the
+  # backward pass into the body are dropped by XLA).
+  ns, _, _ = frozen_guide
+  everything = onebit_optax.onebit_adam(LR, axis_name="data",
+                                        freeze=onebit_optax.fixed_step_freeze(FREEZE))
+  assert (_matrix_products(ns, ns["tx"]), _matrix_products(ns, everything)) == (3, 5)
