@@ -393,11 +393,12 @@ def scale_by_zero_one_adam(
 
   Example:
     >>> import jax.numpy as jnp, onebit_optax
+    >>> import jax
     >>> tx = onebit_optax.scale_by_zero_one_adam(axis_name=None, var_freeze_step=100)
-    >>> state = tx.init({'w': jnp.ones(3)})
+    >>> state, update = tx.init({'w': jnp.ones(3)}), jax.jit(tx.update)
     >>> phases = []
     >>> for _ in range(19):
-    ...   _, state = tx.update({'w': jnp.array([1., -2., 3.])}, state)
+    ...   _, state = update({'w': jnp.array([1., -2., 3.])}, state)
     ...   phases.append(onebit_optax.zero_one_phase(state)[0])
     >>> ''.join(phases)
     'vvvvvvvvvvvvvvvvcvc'
@@ -463,6 +464,31 @@ def zero_one_adam(
   and weight decay itself). ``params`` stays the replicated point of the last
   sync; take the gradient at ``zero_one_local_params(params, opt_state,
   axis_name)`` and pass ``params`` to ``update``.
+
+  The training step under ``jax.shard_map`` (with or without local steps; under
+  ``jax.pmap`` the same body, with the state made by ``jax.pmap(tx.init)``):
+
+  .. code-block:: python
+
+    tx = onebit_optax.zero_one_adam(1e-3, axis_name='data', var_freeze_step=500,
+                                    local_steps=16)           # or local_steps=None
+    opt_state = onebit_optax.init_zero_one_sharded(tx, params, mesh)
+    specs = onebit_optax.zero_one_partition_specs(opt_state, 'data')
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P('data')),
+                       out_specs=(P(), specs, P()))
+    def train_step(params, opt_state, batch):
+      # this device's copy (params + its progress since the last sync), typed per device
+      local = onebit_optax.zero_one_local_params(params, opt_state, 'data')
+      loss, grads = jax.value_and_grad(loss_fn)(local, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)  # params: the replicated point
+      return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, 'data')
+
+  ``params`` leave replicated (``P()``): between syncs they stay the point of
+  the last sync, and every device holds the same bits. To evaluate the model
+  between syncs, use ``params`` (the synced point) or gather
+  ``zero_one_local_params`` (each device's copy).
 
   Args:
     learning_rate: a scalar or an optax schedule.

@@ -42,12 +42,12 @@ def zero_one_phase(opt_state) -> str:
     The phase's name (a Python string; reads the state's ``phase`` field).
 
   Example:
-    >>> import jax.numpy as jnp, onebit_optax
+    >>> import jax, jax.numpy as jnp, onebit_optax
     >>> tx = onebit_optax.zero_one_adam(1e-3, axis_name=None, var_freeze_step=10)
     >>> state = tx.init({'w': jnp.ones(2)})
     >>> onebit_optax.zero_one_phase(state)
     'none'
-    >>> _, state = tx.update({'w': jnp.ones(2)}, state, {'w': jnp.ones(2)})
+    >>> _, state = jax.jit(tx.update)({'w': jnp.ones(2)}, state, {'w': jnp.ones(2)})
     >>> onebit_optax.zero_one_phase(state)
     'variance'
   """
