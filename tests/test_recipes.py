@@ -349,3 +349,20 @@ def test_the_frozen_body_costs_no_backward_matmuls(frozen_guide):
   everything = onebit_optax.onebit_adam(LR, axis_name="data",
                                         freeze=onebit_optax.fixed_step_freeze(FREEZE))
   assert (_matrix_products(ns, ns["tx"]), _matrix_products(ns, everything)) == (3, 5)
+
+
+def test_nnx_grad_of_the_replicated_model_is_refused_as_the_guide_says(nnx_guide):
+  from flax import nnx
+  ns, _, _ = nnx_guide
+  mesh, specs, loss_fn = ns["mesh"], ns["optimizer_specs"], ns["loss_fn"]
+
+  @nnx.jit
+  @nnx.shard_map(mesh=mesh, in_specs=(P(), specs, P("data"), P("data")), out_specs=P())
+  def naive_step(model, optimizer, x, y):
+    optimizer.update(model, nnx.grad(loss_fn)(model, x, y))  # no local_params
+    return jnp.zeros(())
+
+  model = ns["MLP"](nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"the gradients are replicated over 'data', i.e. already "
+                                       r"all-reduced"):
+    naive_step(model, ns["create_optimizer"](model), ns["x"], ns["y"])
