@@ -42,7 +42,13 @@ templates_path = ["_templates"]
 # MyST: $...$ math, ::: fences, {.class} on blocks, anchors for "page.md#section" links.
 myst_enable_extensions = ["dollarmath", "colon_fence", "deflist", "attrs_block"]
 myst_heading_anchors = 4
-nb_execution_mode = "off"  # the notebook's committed outputs; running it would take minutes
+# The committed notebook is stripped (tests/test_notebook.py), so the build runs it,
+# once (a minute or two on 2 cores): jupyter-cache keeps the outputs until the
+# notebook changes. An error in a cell fails the build. ONEBIT_DOCS_NB_EXECUTION=off
+# renders it without outputs (CI does: tests/test_notebook.py runs it there already).
+nb_execution_mode = os.environ.get("ONEBIT_DOCS_NB_EXECUTION", "cache")
+nb_execution_timeout = 600
+nb_execution_raise_on_error = True
 
 # autodoc / autosummary: one page per public name, from its docstring.
 autosummary_generate = True
@@ -91,13 +97,10 @@ html_theme_options = {
 }
 html_show_sourcelink = False
 
-# MathJax is loaded from its CDN by default; ONEBIT_DOCS_MATHJAX=<path to a local
-# MathJax 2 tree> renders the math offline (e.g. jupyter-server-mathjax's static/).
+# MathJax 3 is loaded from its CDN (Sphinx's default). ONEBIT_DOCS_MATHJAX=<MathJax 3's
+# es5/ folder> (e.g. from `npm pack mathjax@3`) serves it from _static instead, to
+# read the math offline.
 _local_mathjax = os.environ.get("ONEBIT_DOCS_MATHJAX")
 if _local_mathjax:
   html_static_path.append(_local_mathjax)
-  mathjax_path = "MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"
-  mathjax3_config = None
-  mathjax2_config = {"tex2jax": {"inlineMath": [["\\(", "\\)"]],
-                                 "displayMath": [["\\[", "\\]"]], "processEscapes": True,
-                                 "ignoreClass": "document", "processClass": "math|output_area"}}
+  mathjax_path = "tex-mml-chtml.js"

@@ -9,9 +9,9 @@ so no page can drift from its source:
 - ``results/generated/NAME.md``: one page per ``benchmarks/results/NAME.md``
   (the file as the benchmark wrote it, command, commit, machine and load
   included), headings renumbered to nest under the page title, plots copied.
-- ``notebooks/onebit_adam_quickstart.ipynb``: the committed notebook, rendered
-  from its stored outputs (never executed by the build); its link to the
-  README points to the docs' front page instead.
+- ``notebooks/onebit_adam_quickstart.ipynb``: the committed notebook (stripped of
+  outputs; the build executes it once and caches the result, see ``conf.py``);
+  its link to the README points to the docs' front page instead.
 
 It also documents the fields of the NamedTuple states from their source
 comments (``count: jax.Array  # shape=(), dtype=int32: ...``) instead of
