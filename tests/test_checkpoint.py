@@ -562,3 +562,35 @@ def test_two_processes_resume_bitwise_after_a_kill(tmp_path):
     assert want["opt_state[0].local_momentum[0]"].shape == (1, run.FEATURES, run.HIDDEN)
     assert np.any(want["opt_state[0].local_momentum[0]"])
     assert want["opt_state[0].server_error"].shape == (1, _flat.padded([SIZES[1]], 2) // 2)
+
+
+def test_after_a_move_the_devices_send_the_mean_the_uninterrupted_run_sends(uninterrupted):
+  """One step after 8 -> 4: the mean of what the 4 devices compress is the 8 devices' mean.
+
+  ``local_momentum`` holds what each device compressed, ``u = b1 m + (1 - b1) g + e``;
+  with the same global batch the mean gradient is the same, so the mean of ``u``
+  over the devices is the same only if the restore handed on the mean worker
+  error and the message's correction. The zeroed buffers (DeepSpeed) miss it.
+  """
+  directory = uninterrupted[0]
+  step = run.COMPRESSION_SAVE
+  x, y = run.global_batch(step + 1, 8)  # the uninterrupted run's next global batch
+
+  def sent(mesh, opt_state, params, tx):
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+    _, new_state, _ = run.make_step(tx, mesh, opt_state)(params, opt_state, put(x), put(y))
+    return np.asarray(new_state[0].local_momentum[0], np.float64).mean(axis=0)
+
+  mesh8, tx8, params8, state8, _ = _fresh_restart(directory, step)
+  want = sent(mesh8, state8, params8, tx8)
+  mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  tx4 = run.make_tx()
+  template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), run.init_params())
+  params4, state4, _ = onebit_optax.restore_checkpoint(directory, tx4, template, mesh4)
+  np.testing.assert_allclose(sent(mesh4, state4, params4, tx4), want, rtol=1e-5, atol=1e-6)
+  s = state4[0]  # the comparison can fail: the error feedback zeroed
+  zeroed = (s._replace(local_momentum=jax.tree.map(jnp.zeros_like, s.local_momentum),
+                       worker_scale=jnp.zeros_like(s.worker_scale),
+                       server_error=jnp.zeros_like(s.server_error),
+                       feedback_valid=jnp.zeros_like(s.feedback_valid)),) + tuple(state4[1:])
+  assert not np.allclose(sent(mesh4, zeroed, params4, tx4), want, rtol=1e-5, atol=1e-6)
