@@ -62,7 +62,7 @@ def _losses(output):
 
 def test_the_guides_have_the_blocks_the_tests_read():
   assert len(python_blocks(GUIDES / "frozen_layers.md")) == 6
-  assert len(python_blocks(GUIDES / "nnx.md")) == 4
+  assert len(python_blocks(GUIDES / "nnx.md")) == 5
 
 
 # --- frozen_layers.md -------------------------------------------------------------------------
@@ -366,3 +366,37 @@ def test_nnx_grad_of_the_replicated_model_is_refused_as_the_guide_says(nnx_guide
   with pytest.raises(ValueError, match=r"the gradients are replicated over 'data', i.e. already "
                                        r"all-reduced"):
     naive_step(model, ns["create_optimizer"](model), ns["x"], ns["y"])
+
+
+def test_nnx_head_only_keeps_the_body_bitwise_and_its_warmup_is_adam(nnx_guide):
+  from flax import nnx
+  ns, output, snapshot = nnx_guide
+  fresh = lambda: ns["MLP"](nnx.Rngs(0))
+  initial = _np(nnx.state(fresh(), nnx.Param))
+  after_guide = _np(nnx.state(ns["head_model"], nnx.Param))
+  for name in ("kernel", "bias"):
+    np.testing.assert_array_equal(_bits(after_guide["hidden"][name]),
+                                  _bits(initial["hidden"][name]), err_msg=f"hidden/{name}")
+  final = float(re.search(r"head only, step 30: loss ([\d.]+)", output)[1])
+  assert final < 0.5 * float(ns["loss_fn"](fresh(), snapshot["x"], snapshot["y"]))
+  # Only the head is in the optimizer's state.
+  state = nnx.as_pure(ns["head_optimizer"].opt_state)
+  (onebit_state,) = [s for s in jax.tree.leaves(
+      state, is_leaf=lambda s: isinstance(s, onebit_optax.ScaleByOnebitAdamState))
+                     if isinstance(s, onebit_optax.ScaleByOnebitAdamState)]
+  assert sorted(np.shape(v) for v in jax.tree.leaves(onebit_state.nu)) == [(4,), (32, 4)]
+  # Warmup: the guide's head step against optax.adam on the head alone, full batch.
+  graphdef, head0, rest = nnx.split(fresh(), ns["trained"], ...)
+  loss = lambda head, x, y: ns["loss_fn"](nnx.merge(graphdef, head, rest), x, y)
+  reference = _adam_full_batch(loss, head0, snapshot["x"], snapshot["y"], FREEZE)
+  model = fresh()
+  optimizer = ns["create_head_optimizer"](model)
+  for _ in range(FREEZE):
+    float(ns["head_step"](model, optimizer, ns["x"], ns["y"]))
+  got = _np(nnx.state(model, ns["trained"]))
+  for a, b, start in zip(jax.tree.leaves(got), jax.tree.leaves(reference),
+                         jax.tree.leaves(_np(head0))):
+    assert not np.allclose(a, start)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(_bits(_np(nnx.state(model, nnx.Param))["hidden"]["kernel"]),
+                                _bits(initial["hidden"]["kernel"]))
