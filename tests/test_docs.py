@@ -143,3 +143,27 @@ def test_readme_is_the_front_door():
   # Links into the docs point at pages that exist.
   for target in re.findall(r"\]\((docs/[^)#]+)", readme):
     assert (ROOT / target).exists(), target
+
+
+def test_dev_py_reuses_a_venv_with_more_extras_and_refreshes_on_change(tmp_path, monkeypatch):
+  sys.path.insert(0, str(ROOT))
+  import dev  # pylint: disable=import-outside-toplevel
+  venv = tmp_path / "venv"
+  py = dev._bin(venv, "python")
+  py.parent.mkdir(parents=True)
+  py.write_text("")
+  digest = __import__("hashlib").sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+  calls = []
+  monkeypatch.setattr(dev.subprocess, "check_call", lambda args, **kw: calls.append(args))
+  (venv / ".onebit-installed").write_text(f"{digest} {dev.DOCS_EXTRAS}")
+  dev._ensure_env(venv, ["python3"], dev.EXTRAS)  # a superset is installed: nothing to do
+  assert calls == []
+  (venv / ".onebit-installed").write_text(f"{digest} {dev.EXTRAS}")
+  dev._ensure_env(venv, ["python3"], dev.DOCS_EXTRAS)  # docs missing: install, keeping the rest
+  installs = [a for a in calls if "-e" in a]
+  assert len(installs) == 1 and set(installs[0][-1].split("[")[1].rstrip("]").split(",")) == {
+      "test", "examples", "dev", "docs"}
+  calls.clear()
+  (venv / ".onebit-installed").write_text(f"{'0' * 64} {dev.DOCS_EXTRAS}")  # pyproject changed
+  dev._ensure_env(venv, ["python3"], dev.EXTRAS)
+  assert [a for a in calls if "-e" in a]
