@@ -189,8 +189,19 @@ def _branches(hp: _steps.Hyper, plan, grads, state, sched, params):
   return jax.lax.switch(sched.kind, branches, grads, state)
 
 
+def _decay_flags(mask, params, treedef) -> tuple:
+  """Per leaf, whether it gets weight decay (``mask`` as in :func:`optax.adamw`: a tree or a prefix)."""
+  if mask is None:
+    return ()
+  tree = mask(params) if callable(mask) else mask
+  full = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), tree, params)
+  return tuple(treedef.flatten_up_to(full))
+
+
 def _update(updates, state, params, hp: _steps.Hyper, axis_name):
   plan = _check_update(updates, state, params, hp, axis_name)
+  if hp.mask is not None and params is not None:
+    plan = plan._replace(decay=_decay_flags(hp.mask, params, plan.treedef))
   grads = jax.tree.leaves(updates)
   params = None if params is None else jax.tree.leaves(params)
   sched = _schedule(hp, state)
@@ -278,6 +289,7 @@ def scale_by_zero_one_adam(
     local_step_scaler: int = 32,
     learning_rate: Optional[optax.ScalarOrSchedule] = None,
     weight_decay: float = 0.0,
+    mask: Any = None,
     variance_floor: float = 0.01,
     max_update: Optional[float] = None,
     skip_nonfinite: bool = True,
@@ -381,6 +393,8 @@ def scale_by_zero_one_adam(
     learning_rate: with local steps only: a scalar or a schedule of the step count.
     weight_decay: decoupled weight decay :math:`\lambda` (added to the direction,
       as :func:`optax.add_decayed_weights`; not on a skipped step); needs ``params``.
+    mask: which leaves get weight decay, as in :func:`optax.adamw` (a tree of
+      bools like the parameters, or a function of them; None: every leaf).
     variance_floor: :math:`f` (0 disables the floor).
     max_update: :math:`B` on compressed and local steps (None: Adam's bound).
     skip_nonfinite: skip non-finite steps on all devices together.
@@ -416,7 +430,7 @@ def scale_by_zero_one_adam(
   _collective.split_axes(axis_name)
   exact_below = _layout.EXACT_BELOW if exact_below is None else int(exact_below)
   hp = _steps.Hyper(b1, b2, eps, variance_floor, max_update, var_freeze_step, var_update_scaler,
-                    local_steps, local_step_scaler, learning_rate, weight_decay,
+                    local_steps, local_step_scaler, learning_rate, weight_decay, mask,
                     bool(skip_nonfinite), exact_below)
 
   def init_fn(params):
@@ -444,6 +458,7 @@ def zero_one_adam(
     var_update_scaler: int = 16,
     local_steps: Optional[int] = None,
     local_step_scaler: int = 32,
+    mask: Any = None,
     variance_floor: float = 0.01,
     max_update: Optional[float] = None,
     skip_nonfinite: bool = True,
@@ -502,6 +517,7 @@ def zero_one_adam(
     var_update_scaler: variance steps per doubling of their interval.
     local_steps: None, or the largest interval between syncs.
     local_step_scaler: local-phase steps per doubling of the sync interval.
+    mask: which leaves get weight decay, as in :func:`optax.adamw`.
     variance_floor: floor on the variance on compressed and local steps.
     max_update: largest per-coordinate step there (None: Adam's bound).
     skip_nonfinite: skip non-finite steps on all devices together.
@@ -529,7 +545,7 @@ def zero_one_adam(
     Lu et al., `Maximizing Communication Efficiency for Large-scale Training via
     0/1 Adam <https://arxiv.org/abs/2202.06009>`_, ICLR 2023.
   """
-  inner = dict(axis_name=axis_name, var_freeze_step=var_freeze_step,
+  inner = dict(axis_name=axis_name, var_freeze_step=var_freeze_step, mask=mask,
                var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
                variance_floor=variance_floor, max_update=max_update,
                skip_nonfinite=skip_nonfinite, exact_below=exact_below)

@@ -32,7 +32,8 @@ class Hyper(NamedTuple):
   local_steps: Optional[int]  # H, the largest interval between syncs; None: no local steps.
   local_step_scaler: Any
   learning_rate: Any  # only with local steps (the sync divides by the sum of the rates).
-  weight_decay: Any  # only with local steps.
+  weight_decay: Any
+  mask: Any  # which leaves get weight decay: None (all), a tree of bools or a callable of params.
   skip_nonfinite: bool
   exact_below: int
 
@@ -43,6 +44,10 @@ class Plan(NamedTuple):
   axes: _collective.Axes
   layout: _layout.WireLayout
   treedef: Any
+  decay: tuple = ()  # per leaf: gets weight decay (empty: every leaf).
+
+  def decays(self, i: int) -> bool:
+    return not self.decay or self.decay[i]
 
   def kind(self, i: int):
     """('c', k): leaf ``i`` is compressed leaf ``k``; ('e', j): exact leaf ``j``; ('z',): empty."""
@@ -151,11 +156,11 @@ def _bytes_onebit(plan: Plan) -> float:
   return 2.0 * (plan.axes.n_slow - 1) * plan.layout.row_bytes
 
 
-def _scaled(hp: Hyper, directions, params, sched: Schedule, finite):
+def _scaled(hp: Hyper, plan: Plan, directions, params, sched: Schedule, finite):
   """Adds the decoupled weight decay (none on a skipped step) and, with local steps, ``-lr``."""
   if params is not None:
     directions = [d + jnp.where(finite, hp.weight_decay * p.astype(F32), 0.0)
-                  for d, p in zip(directions, params)]
+                  if plan.decays(i) else d for i, (d, p) in enumerate(zip(directions, params))]
   if hp.local_steps is None:
     return directions
   return [-sched.lr * d for d in directions]
@@ -186,7 +191,7 @@ def variance_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) 
   bc1 = bias_correction(hp.b1, sched.count)
   bc2 = bias_correction(hp.b2, state.variance_updates + 1)
   dirs = [direction(hp, m, v, bc1, bc2, 0.0, False, finite) for m, v in zip(mu, nu)]
-  return _passthrough(state, _scaled(hp, dirs, params, sched, finite), mu, nu, nu_l1, finite,
+  return _passthrough(state, _scaled(hp, plan, dirs, params, sched, finite), mu, nu, nu_l1, finite,
                       _bytes_allreduce(plan))
 
 
@@ -219,7 +224,7 @@ def compressed_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params
   # A skipped step keeps what was sent before: its feedback stays valid.
   local_sent = tuple(jnp.where(finite, u, old).astype(old.dtype)
                      for u, old in zip(sent, state.local_sent))
-  return Result(_scaled(hp, dirs, params, sched, finite), mu, nus, state.nu_l1, local_sent,
+  return Result(_scaled(hp, plan, dirs, params, sched, finite), mu, nus, state.nu_l1, local_sent,
                 jnp.where(finite, scales, state.worker_scale), server_error,
                 leaves_or_none(state.local_mu), leaves_or_none(state.accumulator), finite,
                 jnp.float32(_bytes_onebit(plan)))
@@ -247,7 +252,9 @@ def _local_progress(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params
     d = direction(hp, m, nus[i], bc1, bc2, floor[i], True, True)
     theta = acc[i][0] if params is None else params[i].astype(F32) + acc[i][0]
     new_mu.append(m)
-    new_acc.append(acc[i][0] - sched.lr * (d + hp.weight_decay * theta))
+    if plan.decays(i):
+      d = d + hp.weight_decay * theta
+    new_acc.append(acc[i][0] - sched.lr * d)
   return new_mu, new_acc
 
 
