@@ -356,7 +356,7 @@ def _freeze_rows(add, task, prefix=""):
 
 
 def build_freeze_markdown(results, meta) -> str:
-  """The freeze study alone (for the README's freeze section): costs of fixed steps, replay."""
+  """The freeze study alone (for the docs' freeze guide): costs of fixed steps, replay."""
   lines = []
   add = lines.append
   add("# Freeze study: what freezing at step t costs, and where the rule fires\n")

@@ -42,8 +42,10 @@ Outputs (``--out``, default benchmarks/results): convergence.md (tables),
 convergence_freeze.md (the freeze study alone), convergence.json (every run's
 curves), convergence.png; ``--quick`` writes ``convergence_quick*``.
 ``--from-json benchmarks/results/convergence.json`` re-renders the tables and
-the plot without training. ``python benchmarks/update_readme.py`` copies the
-tables into the README. Only the public API of onebit_optax is used.
+the plot without training. The docs build turns convergence.md into its
+Results page and convergence_freeze.md into the freeze guide's table;
+``python benchmarks/update_readme.py`` writes the README's summary rows.
+Only the public API of onebit_optax is used.
 """
 
 from __future__ import annotations
