@@ -167,3 +167,37 @@ def test_dev_py_reuses_a_venv_with_more_extras_and_refreshes_on_change(tmp_path,
   (venv / ".onebit-installed").write_text(f"{'0' * 64} {dev.DOCS_EXTRAS}")  # pyproject changed
   dev._ensure_env(venv, ["python3"], dev.EXTRAS)
   assert [a for a in calls if "-e" in a]
+
+
+def _update_readme():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import update_readme  # pylint: disable=import-outside-toplevel
+  return update_readme
+
+
+def test_readme_summary_is_the_generated_one():
+  # Its numbers come from the benchmarks' files only: rerun update_readme.py after a benchmark.
+  readme = (ROOT / "README.md").read_text()
+  block = re.search(r"<!-- results:summary -->\n(.*?)\n<!-- /results:summary -->", readme, re.S)
+  assert block, "README.md has no summary block"
+  assert block.group(1) == _update_readme().summary(), "stale: run benchmarks/update_readme.py"
+
+
+def test_readme_summary_agrees_with_the_benchmarks_tables():
+  # Read back from the markdown the benchmarks wrote (not from the JSON update_readme reads).
+  summary = _update_readme().summary()
+  results = ROOT / "benchmarks" / "results"
+  conv = (results / "convergence.md").read_text()
+  for row in re.findall(r"^\| (gpt|mlm|digits) \|.*$", conv, flags=re.M):
+    line = next(l for l in conv.splitlines() if l.startswith(f"| {row} |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    paired_mean, se, less = cells[7].split(" ± ")[0], cells[8], cells[11]
+    mine = [l for l in summary.splitlines() if f"{cells[1]} parameters" in l]
+    assert len(mine) == 1, row
+    assert f"{paired_mean}% (s.e. {se})" in mine[0], (row, mine[0])
+    assert f"{float(less[:-1]):.1f}x fewer bytes" in mine[0], (row, mine[0])
+  rates = (results / "comm_throughput_rates.md").read_text()
+  measured = re.findall(r"^\| onebit_adam compression \|(?:[^|]*\|){3} (\d+\.\d+x) \|", rates,
+                        flags=re.M)
+  shown = re.findall(r"(\d+\.\d+x) after the freeze", summary)
+  assert measured and sorted(measured) == sorted(shown)
