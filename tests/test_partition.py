@@ -265,3 +265,14 @@ def test_hierarchical_mesh_frozen_body_and_an_adam_bias():
       np.testing.assert_array_equal(_bits(after["body"][name]), _bits(params["body"][name]))
   assert bool(onebit_optax.is_frozen(state))
   assert onebit_optax.assert_replicas_identical(placed) > 0
+
+
+@pytest.mark.xfail(strict=True, reason="init_sharded does not call "
+                   "_partition.check_updates_replicated yet (lead, issue 18 item 5): drop "
+                   "this marker when it does")
+@pytest.mark.parametrize("form", sorted(BAD))
+def test_init_sharded_names_the_leaves_that_stay_per_device(mesh, form):
+  params, _, _ = _problem()
+  with pytest.raises(ValueError, match=r"init_sharded: the updates of \['body'\]\['b'\], "
+                                       r"\['body'\]\['w'\] come out of the optimizer per-device"):
+    _state_and_specs(BAD[form](), params, mesh)
