@@ -594,3 +594,27 @@ def test_after_a_move_the_devices_send_the_mean_the_uninterrupted_run_sends(unin
                        server_error=jnp.zeros_like(s.server_error),
                        feedback_valid=jnp.zeros_like(s.feedback_valid)),) + tuple(state4[1:])
   assert not np.allclose(sent(mesh4, zeroed, params4, tx4), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_record_of_the_previous_format_3_writer_still_restores(uninterrupted, tmp_path):
+  """Records written before the model-parallel and hyperparameter fields existed."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  directory = str(tmp_path / "ckpt")
+  shutil.copytree(uninterrupted[0], directory)
+  path = os.path.join(directory, str(run.COMPRESSION_SAVE), "onebit_optax", "metadata")
+  with open(path) as f:
+    record = json.load(f)
+  for key in ("model_shards", "mesh", "param_specs"):
+    del record["layout"][key]
+  del record["config"]
+  with open(path, "w") as f:
+    json.dump(record, f)
+  _, _, params, opt_state, _ = _fresh_restart(directory, run.COMPRESSION_SAVE)
+  _assert_bitwise({**_leaves("params", params), **_leaves("opt_state", opt_state)},
+                  uninterrupted[1][run.COMPRESSION_SAVE])
+  _, state1, _ = onebit_optax.restore_checkpoint(  # and moved: onto one device
+      directory, onebit_optax.onebit_adam(
+          3e-2, axis_name=None, freeze=onebit_optax.variance_ratio_freeze(**run.FREEZE)),
+      run.init_params(), mesh=None)
+  _assert_carried(_leaves("opt_state", state1), uninterrupted[1][run.COMPRESSION_SAVE],
+                  (FLAT, 8, 1), (FLAT, 1, 1))
