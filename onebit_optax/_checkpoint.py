@@ -655,8 +655,9 @@ def _moved(state, abstract, params, saved: dict, new: dict, tx):
   # The residual buffers are cut and re-ordered whole (a reshape of an array
   # sharded over a mesh axis is refused under explicit sharding); the
   # local_momentum rows are only averaged, where they lie.
+  # (A jit, not device_put: it also reshards arrays that span several processes.)
   whole = lambda x: (x if x is None or not isinstance(getattr(x, "sharding", None), NamedSharding)
-                     else jax.device_put(x, NamedSharding(x.sharding.mesh, P())))
+                     else jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, P()))(x))
   state = state._replace(worker_error=whole(state.worker_error),
                          server_error=whole(state.server_error))
   carried = jax.jit(

@@ -10,6 +10,9 @@ Imported by the test (one process, 8 simulated devices) and run as a script:
   buffers are the restored ones, which the test checks against
   :func:`decode_message` and :func:`expected_carry`). Writes
   ``resize_<step>.npz`` and ``resize_<step>.json`` to ``--out``.
+* ``mp-resize``: one rank of a multi-process restore of the 8-device
+  checkpoint ``--ckpt`` (``--step``) onto the processes' devices; writes what
+  this process holds of the restored state to ``--out/resize_<rank>.npz``.
 * ``mp``: one rank of a multi-process run (``python -m onebit_optax.launch``):
   trains from scratch or restores ``--ckpt``, may save at ``--save-at`` and then
   SIGKILL itself (a crash right after the checkpoint), and writes what this
@@ -328,9 +331,36 @@ def _mp(args):
   np.savez(os.path.join(args.out, f"final_{rank}.npz"), **_mp_run(args, resume=args.resume))
 
 
+def _mp_resize(args):
+  """One rank of a multi-process restore of an 8-device checkpoint onto these processes' devices.
+
+  Writes ``resize_<rank>.npz``: every leaf as this process holds it (its first
+  shard), and each per-device buffer's addressable rows as ``row<i>_<key>``;
+  then trains ``--more-steps`` steps and writes the losses.
+  """
+  launch.initialize(initialization_timeout=60)
+  rank = jax.process_index()
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  tx = make_tx()
+  template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), init_params())
+  params, opt_state, step = onebit_optax.restore_checkpoint(args.ckpt, tx, template, mesh,
+                                                            step=args.step[0])
+  out = {f"opt_state{k}": v for k, v in local_leaves(opt_state).items()}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    key = "opt_state" + jax.tree_util.keystr(path)
+    if any(key.startswith(f"opt_state[0].{name}") for name in SIZED[:-1]):
+      for shard in leaf.addressable_shards:
+        out[f"row{shard.index[0].start}_{key}"] = np.asarray(shard.data)[0]
+  _, _, losses = train(make_step(tx, mesh, opt_state), mesh, params, opt_state, step,
+                       step + args.more_steps)
+  out["losses"] = np.asarray(losses)
+  np.savez(os.path.join(args.out, f"resize_{rank}.npz"), **out)
+  print(f"restored step {step} onto {jax.device_count()} devices: losses {losses}", flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("mode", choices=["resize", "mp"])
+  parser.add_argument("mode", choices=["resize", "mp", "mp-resize"])
   parser.add_argument("--ckpt", required=True)
   parser.add_argument("--out", required=True)
   parser.add_argument("--step", type=int, nargs="+", help="resize: the steps to restore")
@@ -346,6 +376,8 @@ def main():
     tx, step_fns = make_tx(), []
     for step in args.step:
       _resize(args, step, mesh, tx, step_fns)
+  elif args.mode == "mp-resize":
+    _mp_resize(args)
   else:
     _mp(args)
 

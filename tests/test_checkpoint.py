@@ -618,3 +618,33 @@ def test_a_record_of_the_previous_format_3_writer_still_restores(uninterrupted, 
       run.init_params(), mesh=None)
   _assert_carried(_leaves("opt_state", state1), uninterrupted[1][run.COMPRESSION_SAVE],
                   (FLAT, 8, 1), (FLAT, 1, 1))
+
+
+def test_two_processes_restore_an_8_device_checkpoint_onto_4_devices(uninterrupted, tmp_path):
+  """The move across processes: 2 processes of 2 devices each, the feedback handed on."""
+  directory, snapshots, _, _ = uninterrupted
+  proc = subprocess.run(
+      [sys.executable, "-m", "onebit_optax.launch", "--nproc", "2", "--devices-per-process", "2",
+       "--timeout", str(TIMEOUT - 30), SCRIPT, "mp-resize", "--ckpt", directory,
+       "--out", str(tmp_path), "--step", str(run.COMPRESSION_SAVE)],
+      cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  saved = snapshots[run.COMPRESSION_SAVE]
+  rows = {}
+  for rank in range(2):
+    with np.load(tmp_path / f"resize_{rank}.npz") as f:
+      got = {k: f[k] for k in f.files}
+    assert np.all(np.isfinite(got["losses"]))
+    for key, value in got.items():  # mu, nu, phase, counters: exactly the saved ones
+      if key.startswith("opt_state") and not _is(key, *PER_DEVICE, "momentum_message",
+                                                 "feedback_valid"):
+        assert value.tobytes() == saved[key].tobytes(), key
+    rows.update({k: v for k, v in got.items() if k.startswith("row")})
+    message, valid = got["opt_state[0].momentum_message"], got["opt_state[0].feedback_valid"]
+  # Every device's row, gathered from both processes, is the numpy model's hand-on.
+  whole = {name: np.stack([rows[f"row{r}_opt_state[0].{name}"] for r in range(4)])
+           for name in ("local_momentum[0]", "worker_scale", "server_error")}
+  _assert_carried({**{f"opt_state[0].{k}": v for k, v in whole.items()},
+                   "opt_state[0].momentum_message": message,
+                   "opt_state[0].feedback_valid": valid},
+                  saved, (FLAT, 8, 1), (FLAT, 4, 1))
