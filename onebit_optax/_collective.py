@@ -91,8 +91,10 @@ def _unbound_message(axis_name: AxisName, caller: str) -> str:
       "optimizer with axis_name=None. Under plain jax.jit with sharding annotations (no "
       "shard_map) there are no per-device gradients: XLA all-reduces them in float32 in "
       "the backward pass, leaving nothing for 1-bit compression to save; put the training "
-      "step inside jax.shard_map (README: 'Recipe: jax.shard_map', and 'Data × model "
-      "meshes' for parameters sharded over a model axis).")
+      "step inside jax.shard_map (README: 'The jax.shard_map recipe'; "
+      "docs/guides/model_parallel.md for parameters sharded over a model axis). With Flax "
+      "NNX, an nnx.Optimizer built outside the mapped region lands here: build it inside "
+      "nnx.shard_map, as docs/guides/nnx.md shows.")
 
 
 class Axes(NamedTuple):

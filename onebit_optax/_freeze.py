@@ -177,7 +177,7 @@ def variance_ratio_freeze(
   of :math:`v`) is ``variance_ratio_freeze(warmup, interval=round(1/(1-b2)))``.
   The default :math:`\Delta` was chosen with the freeze study of
   ``benchmarks/convergence.py`` (3 tasks, several seeds, fixed freeze steps
-  against a tuned AdamW; table in the README's Results).
+  against a tuned AdamW; table in docs/guides/freeze.md).
 
   Args:
     min_steps: never freeze before this step (use at least the LR warmup

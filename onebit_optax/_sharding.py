@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from onebit_optax import _collective
+from onebit_optax import _partition
 from onebit_optax._compressed_updates import CompressedMeanState
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 
@@ -373,5 +374,8 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data", *,
   in_specs = P() if param_specs is None else param_specs
   params = jax.device_put(params, jax.tree.map(
       lambda spec: NamedSharding(mesh, spec), in_specs, is_leaf=_is_spec))
-  return jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(in_specs,),
-                               out_specs=specs))(params)
+  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(in_specs,),
+                                out_specs=specs))(params)
+  if model_axis is None:  # optax.masked / partition beside 1-bit Adam: every update replicated?
+    _partition.check_updates_replicated(tx, params, state, mesh, axis_name, specs, caller)
+  return state

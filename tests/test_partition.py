@@ -275,9 +275,6 @@ def test_hierarchical_mesh_frozen_body_and_an_adam_bias():
   assert onebit_optax.assert_replicas_identical(placed) > 0
 
 
-@pytest.mark.xfail(strict=True, reason="init_sharded does not call "
-                   "_partition.check_updates_replicated yet (lead, issue 18 item 5): drop "
-                   "this marker when it does")
 @pytest.mark.parametrize("form", sorted(BAD))
 def test_init_sharded_names_the_leaves_that_stay_per_device(mesh, form):
   params, _, _ = _problem()
