@@ -201,3 +201,11 @@ def test_readme_summary_agrees_with_the_benchmarks_tables():
                         flags=re.M)
   shown = re.findall(r"(\d+\.\d+x) after the freeze", summary)
   assert measured and sorted(measured) == sorted(shown)
+
+
+def test_examples_page_shows_every_script():
+  page = onebit_docs.examples_page()
+  scripts = [p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_")]
+  assert scripts
+  for path in scripts:
+    assert f"## `examples/{path.name}`" in page and f"../../examples/{path.name}" in page

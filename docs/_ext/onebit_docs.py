@@ -9,6 +9,7 @@ so no page can drift from its source:
 - ``results/generated/NAME.md``: one page per ``benchmarks/results/NAME.md``
   (the file as the benchmark wrote it, command, commit, machine and load
   included), headings renumbered to nest under the page title, plots copied.
+- ``examples/index.md``: every script of ``examples/``, its docstring and source.
 - ``notebooks/onebit_adam_quickstart.ipynb``: the committed notebook (stripped of
   outputs; the build executes it once and caches the result, see ``conf.py``);
   its link to the README points to the docs' front page instead.
@@ -264,6 +265,35 @@ def headline_summary() -> str:
 
 
 # ----------------------------------------------------------------------------
+# The examples page.
+
+
+def example_names() -> list[str]:
+  """The runnable scripts of ``examples/`` (private helpers excluded)."""
+  return sorted(p.stem for p in (ROOT / "examples").glob("*.py") if not p.stem.startswith("_"))
+
+
+def examples_page() -> str:
+  """One section per script of ``examples/``: its docstring (how to run it), then its source."""
+  import ast  # pylint: disable=import-outside-toplevel
+  lines = ["# Examples", "",
+           "The scripts in `examples/`, each a complete training run on data that ships with "
+           "Python or scikit-learn (nothing is downloaded). This page is generated from the "
+           "files themselves.", ""]
+  for name in example_names():
+    path = ROOT / "examples" / f"{name}.py"
+    module = ast.parse(path.read_text(encoding="utf-8"))
+    doc = ast.get_docstring(module) or ""
+    summary, _, rest = doc.partition("\n")
+    body = module.body[0]
+    first = body.end_lineno + 1 if doc else 1  # the source after the docstring shown above
+    lines += [f"## `examples/{name}.py`", "", summary.strip(), "", "```text", rest.strip(), "```",
+              "", "```{literalinclude} " + f"../../examples/{name}.py", ":language: python",
+              f":lines: {first}-", ":lineno-match:", "```", ""]
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
 # Writing the generated sources.
 
 
@@ -283,6 +313,7 @@ def _copy(src: Path, dst: Path) -> None:
 def generate(docs: Path) -> None:
   """Writes the generated sources under the docs source folder ``docs``."""
   _write(docs / "api" / "index.md", api_index())
+  _write(docs / "examples" / "index.md", examples_page())
   out = docs / "results" / "generated"
   names = result_names()
   for name in names:
