@@ -210,12 +210,20 @@ def test_the_forms_the_guide_warns_about_fail_under_shard_map(frozen_guide, form
         "masked alone": lambda: optax.masked(onebit, trained),
         "adam without mean": lambda: optax.partition(
             {"train": onebit, "frozen": optax.adam(LR)}, labels)}[form]()
-  # shard_map's message at the step, or (once init_sharded runs _partition's check)
-  # the one naming the leaves, at init.
-  with pytest.raises(ValueError, match=r"out_specs\[0\] is P\(\) .*could not infer replication"
-                                       r"|the updates of \['body'\]\['b'\], \['body'\]\['w'\] "
-                                       r"come out of the optimizer per-device"):
+  # init_sharded refuses it, naming the leaves (the guide's first quote) ...
+  with pytest.raises(ValueError, match=r"^init_sharded: the updates of \['body'\]\['b'\], "
+                                       r"\['body'\]\['w'\] come out of the optimizer per-device "
+                                       r"\(typed varying over 'data'\)"):
     ns["train"](tx, steps=1)
+  # ... and a state made without init_sharded fails at the step (the second quote).
+  params = jax.device_put(ns["init_params"](jax.random.key(0)), NamedSharding(ns["mesh"], P()))
+  abstract = jax.eval_shape(jax.shard_map(tx.init, mesh=ns["mesh"], in_specs=(P(),),
+                                          out_specs=P(), check_vma=False), params)
+  specs = onebit_optax.state_partition_specs(abstract, "data")
+  state = jax.jit(jax.shard_map(tx.init, mesh=ns["mesh"], in_specs=(P(),), out_specs=specs))(
+      params)
+  with pytest.raises(ValueError, match=r"out_specs\[0\] is P\(\) .*could not infer replication"):
+    ns["make_train_step"](tx, specs)(params, state, ns["x"], ns["y"])
 
 
 def _pmap_one_step(ns, frozen_tx):
