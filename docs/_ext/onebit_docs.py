@@ -215,6 +215,17 @@ def _mark_tables(text: str) -> str:
   return "\n".join(out)
 
 
+def _last_commit(path: Path) -> str:
+  """`` (committed in abc1234, 2026-12-01)``, or '' outside a git checkout."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  try:
+    out = subprocess.run(["git", "log", "-1", "--format=%h, %cs", "--", str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return ""
+  return f" (committed in {out})" if out else ""
+
+
 def _first_heading(text: str) -> str | None:
   match = re.search(r"^#{1,6} (.*)$", text, flags=re.M)
   return match.group(1).strip() if match else None
@@ -233,10 +244,11 @@ def result_page(name: str) -> str:
   if name in RESULT_INTROS:
     lines += [RESULT_INTROS[name], ""]
   script = name.split("_quick")[0].split("_rates")[0].split("_hier")[0]
+  committed = _last_commit(RESULTS / f"{name}.md")
   lines += [
       f"*Generated from `benchmarks/results/{name}.md`, written by "
-      f"`benchmarks/{script}.py`; command, commit, machine and load as the benchmark "
-      "recorded them.*", "", body, ""]
+      f"`benchmarks/{script}.py`{committed}. Below, as the benchmark wrote it: its command "
+      "and, for timed runs, the commit, machine and load.*", "", body, ""]
   png = RESULTS / f"{name}.png"
   if png.exists() and f"({name}.png)" not in text:
     lines += [f"![{name}]({name}.png)", ""]
