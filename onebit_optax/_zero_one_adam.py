@@ -313,7 +313,12 @@ def scale_by_zero_one_adam(
 
   with :math:`k` the number of variance steps so far (:math:`v`'s own bias
   correction: while every step is a variance step this is
-  :func:`optax.scale_by_adam`). The interval :math:`I` starts at 1 and doubles
+  :func:`optax.scale_by_adam`). Once a compressed step has come before, the
+  variance step's :math:`d_t` is floored and clipped as the compressed step's
+  below: :math:`m` then holds signs at their leaf's scale, which no longer
+  match :math:`v` coordinate by coordinate (unbounded, the first variance step
+  after compressed ones blew up the digits MLP of
+  ``benchmarks/zero_one_volume.py``). The interval :math:`I` starts at 1 and doubles
   after every ``var_update_scaler`` (:math:`\kappa`) variance steps
   (DeepSpeed's rule: steps 1-16, 18, 20, ..., 48, 52, ...).
 

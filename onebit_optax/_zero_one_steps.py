@@ -190,7 +190,14 @@ def variance_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) 
   nu_l1 = jnp.where(finite, jnp.stack([jnp.sum(v) for v in nu]), state.nu_l1)
   bc1 = bias_correction(hp.b1, sched.count)
   bc2 = bias_correction(hp.b2, state.variance_updates + 1)
-  dirs = [direction(hp, m, v, bc1, bc2, 0.0, False, finite) for m, v in zip(mu, nu)]
+  # Adam's own step while every step so far was a variance step; once compressed
+  # steps have fed m (signs at their leaf's scale), m no longer matches v
+  # coordinate by coordinate, and the variance step is floored and clipped too
+  # (unbounded, it blew the digits MLP up at the first variance step after them).
+  bounded = state.variance_updates < state.count
+  floor = floors(hp, plan, nu_l1, bc2)
+  dirs = [direction(hp, m, v, bc1, bc2, floor[i], bounded, finite)
+          for i, (m, v) in enumerate(zip(mu, nu))]
   return _passthrough(state, _scaled(hp, plan, dirs, params, sched, finite), mu, nu, nu_l1, finite,
                       _bytes_allreduce(plan))
 
