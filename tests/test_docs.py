@@ -209,3 +209,32 @@ def test_examples_page_shows_every_script():
   assert scripts
   for path in scripts:
     assert f"## `examples/{path.name}`" in page and f"../../examples/{path.name}" in page
+
+
+# Quoted on the troubleshooting page as the user sees them, but built from f-string fields
+# (the wrapper's or the hyperparameter's name, the environment variables' names) or raised
+# by XLA, not by onebit_optax: not searchable in the source as written.
+_RENDERED_MESSAGES = {
+    "optax.MultiSteps around onebit_adam(...) does not work",
+    "optax.apply_if_finite around ...",
+    "b1=... must be in [0, 1)",
+    "variance_floor=... must be finite and >= 0",
+    "max_update=... must be finite and > 0",
+    "ONEBIT_COORDINATOR_ADDRESS is set but ONEBIT_NUM_PROCESSES/ONEBIT_PROCESS_ID are missing",
+    "Expected 8 threads to join the rendezvous, but only 7 arrived",
+}
+
+
+def test_troubleshooting_quotes_messages_the_package_raises():
+  # Every quoted message is in onebit_optax's source ('...', quoted values and [lists] stand
+  # for what the message fills in), so the page cannot drift from the code.
+  source = "".join(p.read_text() for p in (ROOT / "onebit_optax").glob("*.py"))
+  source = re.sub(r'"\s*\n\s*[rf]*"', "", source)  # adjacent string literals: one message
+  page = (ROOT / "docs" / "guides" / "troubleshooting.md").read_text()
+  quotes = set(re.findall(r'"([^"\n]{8,}?)"', page))
+  assert len(quotes) > 20
+  assert _RENDERED_MESSAGES <= quotes, "an exemption no longer quoted: drop it"
+  for quote in quotes - _RENDERED_MESSAGES:
+    parts = re.split(r"\.\.\.|'[^']*'|\[[^\]]*\]|\b[NMn]\b|=0\)", quote)
+    pattern = "[^\n]{0,120}?".join(re.escape(part) for part in parts)
+    assert re.search(pattern, source), f"not raised by onebit_optax (any more?): {quote!r}"
