@@ -471,31 +471,26 @@ def _wire_layout(params, info: dict) -> _layout_mod.WireLayout:
   return layout
 
 
-def _relayout_message(message, params, old: _layout_mod.WireLayout,
-                      new: _layout_mod.WireLayout, sharding):
+def _relaid(message, shapes: list, old: _layout_mod.WireLayout, new: _layout_mod.WireLayout):
   """The mean momentum of ``message`` (``old`` layout) compressed again for ``new``.
 
   As at the freeze: the momentum is decoded leaf by leaf, and each compressed
   leaf of the new layout is sent as its signs with one scale per leaf (its
   RMS); exact leaves carry their decoded values.
   """
-  shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+  exact_old = _wire.message_exact(old, message)
 
-  def move(message):
-    exact_old = _wire.message_exact(old, message)
-    def leaf(i):
-      if i in old.compressed:
-        return _wire.message_leaf(old, message, old.compressed.index(i), shapes[i])
-      offset = old.exact_offsets[old.exact.index(i)]
-      return exact_old[offset:offset + old.sizes[i]].reshape(shapes[i])
-    sent = [leaf(i) for i in new.compressed]
-    exact = [jnp.ravel(leaf(i)) for i in new.exact]
-    scales = (jnp.stack([_wire.leaf_rms(u) for u in sent]) if sent
-              else jnp.zeros((0,), jnp.float32))
-    exact = jnp.concatenate(exact) if exact else jnp.zeros((0,), jnp.float32)
-    return _wire.rows(new, [_wire.leaf_signs(u) for u in sent], scales, exact)
-
-  return jax.jit(move, out_shardings=sharding)(message)
+  def leaf(i):
+    if i in old.compressed:
+      return _wire.message_leaf(old, message, old.compressed.index(i), shapes[i])
+    offset = old.exact_offsets[old.exact.index(i)]
+    return exact_old[offset:offset + old.sizes[i]].reshape(shapes[i])
+  sent = [leaf(i) for i in new.compressed]
+  exact = [jnp.ravel(leaf(i)) for i in new.exact]
+  scales = (jnp.stack([_wire.leaf_rms(u) for u in sent]) if sent
+            else jnp.zeros((0,), jnp.float32))
+  exact = jnp.concatenate(exact) if exact else jnp.zeros((0,), jnp.float32)
+  return _wire.rows(new, [_wire.leaf_signs(u) for u in sent], scales, exact)
 
 
 def _zeros(abstract):
@@ -558,6 +553,15 @@ def _same_mesh(saved: dict, new: dict) -> bool:
           and saved.get("param_specs") == new.get("param_specs"))
 
 
+def _movable(saved: dict, new: dict) -> bool:
+  """Whether the state can move: data-parallel, or only the data axis changes (flat)."""
+  if not (_is_model_parallel(saved) or _is_model_parallel(new)):
+    return True
+  return (saved.get("model_shards", 1) == new.get("model_shards", 1)
+          and saved.get("param_specs") == new.get("param_specs")
+          and saved["buffers"]["worker_error"] is None and new["buffers"]["worker_error"] is None)
+
+
 def _refuse_model_move(where: str, saved: dict, new: dict, model_axis) -> None:
   """A data × model state moves onto nothing but its own mesh: raise what to do."""
   describe = lambda info: (
@@ -570,13 +574,15 @@ def _refuse_model_move(where: str, saved: dict, new: dict, model_axis) -> None:
             "param_specs= and model_axis= as to init_sharded. ")
   raise ValueError(
       f"restore_checkpoint: {where} was saved on {describe(saved)}; it is restored onto "
-      f"{describe(new)}. {hint}A data x model state is restored only onto the mesh "
-      "shape and parameter specs it was saved with (bit for bit): each model shard's "
-      "per-device buffers and momentum message are laid out for its own local shards. "
-      "Restore it on that mesh with those param_specs; to change the model split or the "
-      "device count, finish on the saved mesh, or read the saved 'params' with Orbax "
-      "and start the optimizer afresh (init_sharded; Adam's moments and the phase are "
-      "lost, the run warms up again).")
+      f"{describe(new)}. {hint}A data x model state is restored onto the mesh shape and "
+      "parameter specs it was saved with (bit for bit), or onto another number of "
+      "data-parallel devices with the same model split and param_specs (a flat data "
+      "axis); each model shard's per-device buffers and momentum message are laid out "
+      "for its own local shards, so another model split cannot be moved. Restore it "
+      "with the saved param_specs and model size; to change the model split, finish on "
+      "the saved mesh, or read the saved 'params' with Orbax and start the optimizer "
+      "afresh (init_sharded; Adam's moments and the phase are lost, the run warms up "
+      "again).")
 
 
 def _saved_target(x_saved_shape, dtype, abstract, mesh):
@@ -614,12 +620,51 @@ def _saved_item(target, info: dict, mesh):
   return _with_state(target, as_saved)
 
 
-def _side(params, info: dict) -> _ckpt_move.Mesh:
-  """The wire layout and the device numbering a record describes."""
-  wire = _wire_layout(params, info)
+def _side(local_params, info: dict) -> _ckpt_move.Mesh:
+  """The wire layout of one model shard and the device numbering a record describes."""
+  shards = info.get("model_shards", 1)
+  rows, row_bytes = info["buffers"]["momentum_message"]
+  wire = _wire_layout(local_params, {**info, "buffers": {
+      **info["buffers"], "momentum_message": [rows // shards, row_bytes]}})
   hierarchical = info["buffers"]["worker_error"] is not None
   fast = info["device_axes"][-1] if hierarchical and len(info["device_axes"]) == 2 else 1
   return _ckpt_move.Mesh(wire, info["num_devices"] // fast, fast)
+
+
+def _model_shard(state, shards: int, m: int, n: int):
+  """Model shard ``m``'s per-device rows (row ``d * shards + m``) and its ``n`` message rows."""
+  if shards == 1:
+    return state
+  rows = lambda x: None if x is None else x.reshape((-1, shards) + x.shape[1:])[:, m]
+  return state._replace(
+      local_momentum=None if state.local_momentum is None
+      else tuple(rows(u) for u in state.local_momentum),
+      worker_scale=rows(state.worker_scale), worker_error=rows(state.worker_error),
+      server_error=rows(state.server_error), momentum_message=state.momentum_message[m * n:(m + 1) * n])
+
+
+def _interleaved(parts: list):
+  """Per-model-shard rows back into one buffer, row ``d * shards + m`` (None stays None)."""
+  if parts[0] is None or len(parts) == 1:
+    return parts[0]
+  return jnp.stack(parts, axis=1).reshape((-1,) + parts[0].shape[1:])
+
+
+def _carry_all(state, old, new, shapes, shards: int, b1, dtype):
+  """Every model shard's message re-laid out and its error feedback handed on (one program)."""
+  messages, carried = [], []
+  for m in range(shards):
+    part = _model_shard(state, shards, m, old.wire.num_devices)
+    message = _relaid(part.momentum_message, shapes, old.wire, new.wire)
+    messages.append(message)
+    carried.append(_ckpt_move.carry(part, old, new, shapes, message, b1, dtype))
+  joined = _ckpt_move.Carried(
+      None if carried[0].local_momentum is None else tuple(
+          _interleaved([c.local_momentum[k] for c in carried])
+          for k in range(len(carried[0].local_momentum))),
+      *(_interleaved([getattr(c, name) for c in carried])
+        for name in ("worker_scale", "worker_error", "server_error")))
+  return joined, jnp.concatenate(messages) if shards > 1 else messages[0]
 
 
 def _b1(tx):
@@ -639,10 +684,12 @@ def _moved(state, abstract, params, saved: dict, new: dict, tx):
     # In warmup nothing was sent yet: every buffer and the message are zero.
     reset = {name: jax.tree.map(_zeros, getattr(abstract, name)) for name in _SIZED}
     return state._replace(**reset, feedback_valid=_zeros(abstract.feedback_valid)), []
-  old_side, new_side = _side(params, saved), _side(params, new)
-  message = _relayout_message(state.momentum_message, params, old_side.wire, new_side.wire,
-                              abstract.momentum_message.sharding)
-  shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+  # One model shard's leaves (the whole parameters without a model axis).
+  shapes = [_local_shape(x) for x in jax.tree.leaves(abstract.mu)]
+  local = jax.tree.unflatten(jax.tree.structure(abstract.mu),
+                             [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes])
+  old_side, new_side = _side(local, saved), _side(local, new)
+  shards = new.get("model_shards", 1)
   error = next((x for x in (*(abstract.local_momentum or ()), abstract.worker_error,
                             abstract.server_error) if x is not None), abstract.worker_scale)
   shardings = _ckpt_move.Carried(
@@ -653,20 +700,24 @@ def _moved(state, abstract, params, saved: dict, new: dict, tx):
       None if abstract.server_error is None else abstract.server_error.sharding)
   b1 = _b1(tx)
   # The residual buffers are cut and re-ordered whole (a reshape of an array
-  # sharded over a mesh axis is refused under explicit sharding); the
-  # local_momentum rows are only averaged, where they lie.
+  # sharded over a mesh axis is refused under explicit sharding); without a
+  # model axis the local_momentum rows are only averaged, where they lie.
   # (A jit, not device_put: it also reshards arrays that span several processes.)
   whole = lambda x: (x if x is None or not isinstance(getattr(x, "sharding", None), NamedSharding)
                      else jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, P()))(x))
   state = state._replace(worker_error=whole(state.worker_error),
                          server_error=whole(state.server_error))
-  carried = jax.jit(
-      lambda s, m: _ckpt_move.carry(s, old_side, new_side, shapes, m, b1, error.dtype),
-      out_shardings=shardings)(state, message)
+  if shards > 1:
+    state = state._replace(
+        local_momentum=tuple(whole(u) for u in state.local_momentum),
+        worker_scale=whole(state.worker_scale), momentum_message=whole(state.momentum_message))
+  carried, message = jax.jit(
+      lambda s: _carry_all(s, old_side, new_side, shapes, shards, b1, error.dtype),
+      out_shardings=(shardings, abstract.momentum_message.sharding))(state)
   valid = jax.jit(lambda: jnp.ones((), jnp.bool_),
                   out_shardings=abstract.feedback_valid.sharding)()
   names = [jax.tree_util.keystr(path) for path, _ in
-           jax.tree_util.tree_flatten_with_path(params)[0]]
+           jax.tree_util.tree_flatten_with_path(abstract.mu)[0]]
   dropped = [names[i] for i in old_side.wire.compressed if i not in new_side.wire.compressed]
   return state._replace(**carried._asdict(), momentum_message=message,
                         feedback_valid=valid), dropped
@@ -707,9 +758,11 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
   measures the difference to the reset.
 
   **A data × model checkpoint** (saved with ``param_specs`` / ``model_axis``)
-  is restored only onto its own mesh shape with the same ``param_specs``;
-  anything else raises a ValueError saying what to do (the per-device buffers
-  and messages are laid out for each model shard's local shards).
+  is restored onto its own mesh shape (bit for bit), or onto another number of
+  data-parallel devices with the same model split and ``param_specs`` (each
+  model shard's message and error feedback moved as above, on its local
+  shards); another model split, other ``param_specs``, a data-only mesh or a
+  hierarchical data axis raise a ValueError saying what to do.
 
   **What is checked.** Always: the parameters' tree, shapes and dtypes; the
   optimizer state's tree structure (another ``optax.chain`` or
@@ -785,7 +838,7 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
     # (flat vs hierarchical, another threshold of exact leaves): the
     # per-device buffers are moved too.
     same_mesh = _same_mesh(saved_layout, new_layout)
-    if not same_mesh and (_is_model_parallel(saved_layout) or _is_model_parallel(new_layout)):
+    if not same_mesh and not _movable(saved_layout, new_layout):
       _refuse_model_move(where, saved_layout, new_layout, model_axis)
     _check_state(where, metadata, target)
     _check_config(where, metadata, tx, accept_changes)

@@ -15,12 +15,14 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import ckpt_mp_script as run
 import onebit_optax
 
 DATA, MODEL = 4, 2
-FEATURES, HIDDEN, BATCH = 8, 32, 32
+FEATURES, HIDDEN, BATCH = 12, 32, 32
 FREEZE, SAVE, MORE = 4, 8, 3
-# w1 and w2 (local shards of 8 x 16 and 16 x 8) are compressed, b1 and b2 exact.
+# w1 and w2 (local shards of 12 x 16 and 16 x 12, 192 elements: two 128-blocks each, cut by
+# the 4-device chunks into pieces with their own scales) are compressed, b1 and b2 exact.
 PARAM_SPECS = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None), "b2": P()}
 
 
@@ -104,12 +106,10 @@ def saved(tmp_path_factory):
 def test_the_saved_state_differs_across_devices_and_model_shards(saved):
   s = saved["opt_state"][0]
   assert bool(s.frozen) and bool(s.feedback_valid)
-  for buffer in (*s.local_momentum, s.worker_scale):
+  # Every server holds a piece of w1 or w2 (4 chunks of 128 per model shard).
+  for buffer in (*s.local_momentum, s.worker_scale, s.server_error):
     rows = np.asarray(buffer).reshape(DATA * MODEL, -1)
     assert len({row.tobytes() for row in rows}) == DATA * MODEL
-  # Servers 0 and 1 of each shard hold w1's and w2's chunks (2 and 3: tail padding).
-  rows = np.asarray(s.server_error).reshape(DATA, MODEL, -1)[:2].reshape(4, -1)
-  assert len({row.tobytes() for row in rows}) == 4 and np.all(np.any(rows, axis=1))
   message = np.asarray(s.momentum_message)  # (MODEL * DATA, row_bytes): one message per shard
   assert message.shape[0] == MODEL * DATA
   assert message[:DATA].tobytes() != message[DATA:].tobytes()
@@ -141,19 +141,20 @@ def test_without_param_specs_the_checkpoint_is_refused(saved):
     onebit_optax.restore_checkpoint(saved["directory"], _tx(), _params(), saved["mesh"])
 
 
-def test_other_meshes_and_specs_are_refused_with_what_to_do(saved):
-  devices = np.asarray(jax.devices())
-  smaller = jax.make_mesh((2, 2), ("data", "model"), devices=devices[:4].tolist())
+def test_other_model_splits_are_refused_with_what_to_do(saved):
+  devices = jax.devices()
   other_specs = {**PARAM_SPECS, "b1": P()}
   flat = jax.make_mesh((8,), ("data",))
+  four_shards = jax.make_mesh((2, 4), ("data", "model"), devices=devices)
   attempts = [
-      (smaller, _tx(), dict(param_specs=PARAM_SPECS, model_axis="model")),  # fewer replicas
+      (four_shards, _tx(), dict(param_specs=PARAM_SPECS, model_axis="model")),  # 4 shards
       (saved["mesh"], _tx(), dict(param_specs=other_specs, model_axis="model")),  # other split
       (flat, onebit_optax.onebit_adam(1e-2, axis_name="data", freeze=FREEZE), {}),  # data only
   ]
   for mesh, tx, kwargs in attempts:
-    with pytest.raises(ValueError, match=r"(?s)restored only onto the mesh shape and "
-                       r"parameter specs it was saved with.*start the optimizer afresh"):
+    with pytest.raises(ValueError, match=r"(?s)restored onto the mesh shape and "
+                       r"parameter specs it was saved with.*another model split cannot be "
+                       r"moved.*start the optimizer afresh"):
       onebit_optax.restore_checkpoint(saved["directory"], tx, _params(), mesh, **kwargs)
 
 
@@ -163,7 +164,57 @@ def test_a_data_parallel_checkpoint_is_not_moved_onto_a_model_split(tmp_path):
   params = _params()
   state = onebit_optax.init_sharded(tx, params, mesh)
   onebit_optax.save_checkpoint(str(tmp_path), 1, params, state, tx=tx)
-  with pytest.raises(ValueError, match="restored only onto the mesh shape"):
+  with pytest.raises(ValueError, match="restored onto the mesh shape"):
     onebit_optax.restore_checkpoint(str(tmp_path), _tx(), params,
                                     jax.make_mesh((DATA, MODEL), ("data", "model")),
                                     param_specs=PARAM_SPECS, model_axis="model")
+
+
+# One model shard's leaves in flattening order (b1, b2, w1, w2): w1 and w2 compressed.
+LOCAL_SIZES = [HIDDEN // MODEL, FEATURES, FEATURES * HIDDEN // MODEL, HIDDEN // MODEL * FEATURES]
+COMPRESSED = [2, 3]
+
+
+def _shard_snapshot(state, m, n):
+  """Model shard ``m`` of a state as ckpt_mp_script.expected_carry reads it (numpy, by key)."""
+  rows = lambda x: np.asarray(x).reshape((-1, MODEL) + np.shape(x)[1:])[:, m]
+  out = {f"opt_state[0].local_momentum[{k}]": rows(u) for k, u in enumerate(state.local_momentum)}
+  out.update({"opt_state[0].worker_scale": rows(state.worker_scale),
+              "opt_state[0].server_error": rows(state.server_error),
+              "opt_state[0].feedback_valid": np.asarray(state.feedback_valid),
+              "opt_state[0].momentum_message": np.asarray(state.momentum_message)[m * n:(m + 1) * n]})
+  return out
+
+
+def test_a_move_to_fewer_data_replicas_hands_the_feedback_on_per_model_shard(saved):
+  """(4, 2) -> (2, 2): the model split kept, each model shard's feedback handed on."""
+  smaller = jax.make_mesh((2, MODEL), ("data", "model"), devices=jax.devices()[:2 * MODEL])
+  tx = _tx()
+  params, opt_state, _ = onebit_optax.restore_checkpoint(
+      saved["directory"], tx, _params(), smaller, param_specs=PARAM_SPECS, model_axis="model")
+  old, new = saved["opt_state"][0], opt_state[0]
+  for name in ("mu", "nu", "nu_l1", "count", "frozen", "freeze_step", "skipped_steps"):
+    for got, want in zip(jax.tree.leaves(getattr(new, name)), jax.tree.leaves(getattr(old, name))):
+      assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), name
+  assert new.local_momentum[0].shape == (2 * MODEL, FEATURES, HIDDEN // MODEL)
+  for m in range(MODEL):  # each model shard: the numpy model of the hand-on
+    before, after = _shard_snapshot(old, m, DATA), _shard_snapshot(new, m, 2)
+    want = run.expected_carry(before, LOCAL_SIZES, (COMPRESSED, DATA, 1), (COMPRESSED, 2, 1),
+                              0.9, after["opt_state[0].momentum_message"])
+    assert not np.any(after["opt_state[0].worker_scale"]) and bool(new.feedback_valid)
+    for k, i in enumerate(COMPRESSED):
+      for row in after[f"opt_state[0].local_momentum[{k}]"].reshape(2, -1):
+        np.testing.assert_allclose(row, want["local"][i], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(after["opt_state[0].server_error"], want["server_error"],
+                               rtol=1e-5, atol=1e-6)
+    assert np.any(want["server_error"]) and np.any(want["local"][2])
+
+  # One step later, per model shard, the mean of what the data replicas compressed is
+  # the uninterrupted run's (same global batch).
+  def sent(mesh, params, opt_state):
+    _, state = _step(mesh, tx, opt_state)(params, opt_state, *_batch(mesh, SAVE))
+    return [np.asarray(u, np.float64).reshape((-1, MODEL) + u.shape[1:]).mean(axis=0)
+            for u in state[0].local_momentum]
+  for got, want in zip(sent(smaller, params, opt_state),
+                       sent(saved["mesh"], saved["params"], saved["opt_state"])):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
