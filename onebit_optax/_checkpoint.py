@@ -734,7 +734,7 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
   included, so training continues bit for bit as if never interrupted.
 
   **On another device count or mesh layout** (flat vs hierarchical, another
-  ``exact_below``, or one device, ``mesh=None``), data-parallel meshes only,
+  ``exact_below``, or one device, ``mesh=None``; data × model meshes: below),
   everything but the per-device buffers and the message is restored exactly:
   ``mu``, ``nu``, ``nu_l1``, the phase (``frozen``, ``freeze_step``),
   ``count``, ``skipped_steps`` and the variance-ratio fields. The compressed
