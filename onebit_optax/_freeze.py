@@ -255,6 +255,18 @@ class DefaultFreezeWarning(UserWarning):
   Pass any ``freeze=`` (``variance_ratio_freeze()`` keeps the default) to say
   what you want; ``warnings.simplefilter('ignore', DefaultFreezeWarning)``
   silences it.
+
+  Example:
+    >>> import warnings, onebit_optax
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter('always')
+    ...   tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
+    >>> caught[0].category.__name__, 'before step 2000' in str(caught[0].message)
+    ('DefaultFreezeWarning', True)
+    >>> with warnings.catch_warnings():
+    ...   warnings.simplefilter('error', onebit_optax.DefaultFreezeWarning)
+    ...   tx = onebit_optax.onebit_adam(
+    ...       1e-3, axis_name='data', freeze=onebit_optax.variance_ratio_freeze())
   """
 
 
