@@ -3,6 +3,10 @@
 
     python3 dev.py demo                       # both optimizers, 8 devices, defaults
     python3 dev.py demo --optimizer onebit --steps 600 --freeze-step 100
+    python3 dev.py demo --nodes 2             # 2 nodes x 4 devices: bytes between nodes only
+
+Each kind of run saves its own figure (``onebit_optax_demo_8dev.png``,
+``onebit_optax_demo_2x4dev.png``... in the temp directory; ``--figure`` to choose).
 
 The model is a small character-level language model (a Bengio-style MLP over
 the previous ``--context`` characters) trained on CPython's own documentation
