@@ -193,7 +193,9 @@ def _commit() -> str:
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                          text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "onebit_optax", "benchmarks"],
+    # What this run depends on: the package and the two benchmark files.
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "onebit_optax",
+                            "benchmarks/elastic_restore.py", "benchmarks/_conv_tasks.py"],
                            cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     return out + (" (+ uncommitted changes)" if dirty else "")
   except (OSError, subprocess.CalledProcessError):

@@ -674,7 +674,7 @@ def _b1(tx):
   return None if isinstance(value, bool) else value
 
 
-def _moved(state, abstract, params, saved: dict, new: dict, tx):
+def _moved(state, abstract, saved: dict, new: dict, tx):
   """The restored state moved onto the new mesh layout, its error feedback handed on.
 
   Returns the state and the names of the leaves whose residual was dropped
@@ -745,11 +745,11 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
   reset (DeepSpeed resets it on every load): what the next compressed mean
   depends on is the servers' residual, which tiles the compressed vector
   (chunk :math:`r` is server :math:`r`'s) and is cut into the new chunks, and
-  the devices' *mean* worker error :math:`ar e = rac1n\sum_i e_i`, which
+  the devices' *mean* worker error :math:`\bar e = \frac1n\sum_i e_i`, which
   every new device gets, so the new mean of the errors is the old one. Every
-  device's error also gets :math:`eta_1 (m - C'(m))` (``b1`` read off
+  device's error also gets :math:`\beta_1 (m - C'(m))` (``b1`` read off
   ``tx``), so that the first step forms
-  :math:`eta_1 m + (1-eta_1) g_i + ar e` as the old mesh would have.
+  :math:`\beta_1 m + (1-\beta_1) g_i + \bar e` as the old mesh would have.
   Restored onto one device (no servers), the servers' residual is added to
   the worker error. What is not carried: the residual of a leaf that was
   compressed and is exact in the new layout (``exact_below`` raised, or
@@ -860,7 +860,7 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
     return new_params, opt_state, int(step)
   _, state = _find(opt_state)
   _, abstract = _find(target)
-  state, dropped = _moved(state, abstract, params_target, saved_layout, new_layout, tx)
+  state, dropped = _moved(state, abstract, saved_layout, new_layout, tx)
   opt_state = _with_state(opt_state, lambda _: state)
   if dropped:
     warnings.warn(
