@@ -508,6 +508,18 @@ def replicas_identical(tree, axis_name: Hashable) -> jax.Array:
 _fingerprint_jit = jax.jit(_fingerprint)
 
 
+def _check_something_replicated(leaves, stacked: bool) -> None:
+  """Nothing to compare although the arrays span several devices: a pmap output without ``stacked``."""
+  spread = [path for path, leaf in leaves if isinstance(_unwrap(leaf), jax.Array)
+            and len(_unwrap(leaf).addressable_shards) > 1]
+  if spread and not stacked:
+    raise ValueError(
+        f"assert_replicas_identical: none of the {len(spread)} arrays on several devices is "
+        f"replicated (e.g. {jax.tree_util.keystr(spread[0]) or '<root>'}: every device holds "
+        "another slice), so nothing could be compared. For the outputs of jax.pmap (a "
+        "leading device axis) pass stacked=True; for sharded arrays there are no replicas.")
+
+
 def assert_replicas_identical(tree, *, stacked: bool = False) -> int:
   """On the host: raises if the devices hold different copies of replicated arrays.
 
@@ -530,6 +542,8 @@ def assert_replicas_identical(tree, *, stacked: bool = False) -> int:
 
   Raises:
     AssertionError: naming the leaves and devices that differ.
+    ValueError: arrays span several devices but none is replicated (a ``pmap``
+      output passed without ``stacked=True``): nothing would be compared.
 
   Example:
     >>> import jax, jax.numpy as jnp, onebit_optax
@@ -548,6 +562,8 @@ def assert_replicas_identical(tree, *, stacked: bool = False) -> int:
       key = None if stacked else str(shard.index)
       by_index.setdefault(key, []).append(shard)
     groups.extend((number, path, shards) for shards in by_index.values() if len(shards) > 1)
+  if not groups:
+    _check_something_replicated(leaves, stacked)
   per_device = {}  # one fingerprint call per device over all its shards.
   for g, (_, _, shards) in enumerate(groups):
     for s in shards:

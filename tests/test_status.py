@@ -312,6 +312,10 @@ def test_host_check_of_pmap_outputs_with_stacked_rows():
   rows = jax.pmap(lambda x: x * 2.0)(jnp.ones((N, 3)).at[6].set(0.5))
   with pytest.raises(AssertionError, match="devices 6 differ"):
     onebit_optax_assert({"p": rows}, stacked=True)
+  # Without stacked=True nothing is replicated, so nothing could be compared: an
+  # error, not a silent 0 (8 different rows used to pass).
+  with pytest.raises(ValueError, match="pass stacked=True"):
+    onebit_optax_assert({"p": rows})
 
 
 def onebit_optax_assert(tree, **kwargs):
