@@ -265,7 +265,24 @@ def _local_progress(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params
   return new_mu, new_acc
 
 
-def _sync(hp: Hyper, plan: Plan, state, sched: Schedule, acc, denominators, bc1, lr_sum):
+def _momentum_after_sync(hp: Hyper, plan: Plan, i, avg, denominator, bc1, lr_sum, params):
+  r"""The restarted momentum :math:`m = (1-\beta_1^t)(-\bar a/\sum\eta - \lambda\theta(\sqrt{\hat v}+\epsilon))`.
+
+  :math:`-\bar a/\sum\eta` is the average step in Adam's units, weight decay
+  included; its decay share is taken out (with :math:`\theta` the synced
+  point: exact for a sync every step). DeepSpeed leaves it in the momentum,
+  which then applies the decay again on every later step, up to
+  :math:`1/(1-\beta_1)` times over (with a sync every step: +37% held-out loss
+  on the digits MLP at weight decay 0.1, ``benchmarks/zero_one_volume.py``).
+  """
+  m = -avg * bc1 / lr_sum
+  if params is not None and plan.decays(i):
+    m = m - hp.weight_decay * params[i].astype(F32) * denominator * bc1
+  return m
+
+
+def _sync(hp: Hyper, plan: Plan, state, sched: Schedule, acc, denominators, bc1, lr_sum,
+          params):
   r"""The sync: the 1-bit mean of :math:`a_i(\sqrt{\hat v}+\epsilon)`, applied as :math:`\bar a/(\sqrt{\hat v}+\epsilon)`.
 
   The momentum restarts from :math:`m = -\bar a\,(1-\beta_1^t)/\sum\eta`
@@ -290,7 +307,8 @@ def _sync(hp: Hyper, plan: Plan, state, sched: Schedule, acc, denominators, bc1,
       continue
     avg = mean_leaf(plan, gathered, i, jnp.shape(m))
     updates.append(jnp.where(finite & (v > 0), avg / denominators[i], 0.0))
-    mu.append(jnp.where(finite & (lr_sum > 0), -avg * bc1 / lr_sum, m))
+    mu.append(jnp.where(finite & (lr_sum > 0), _momentum_after_sync(
+        hp, plan, i, avg, denominators[i], bc1, lr_sum, params), m))
   vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
   local_sent = tuple(jnp.where(finite, u, 0.0).astype(old.dtype)
                      for u, old in zip(sent, state.local_sent))
@@ -315,6 +333,6 @@ def local_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> 
 
   def sync(new_mu, acc):
     denominators = _preconditioners(hp, plan, nus, state.nu_l1, bc2)
-    return _sync(hp, plan, state, sched, acc, denominators, bc1, lr_sum)
+    return _sync(hp, plan, state, sched, acc, denominators, bc1, lr_sum, params)
 
   return jax.lax.cond(sched.sync, sync, no_sync, new_mu, acc)

@@ -249,8 +249,11 @@ class _Simulation:
               for i in range(N)]
       mean = self._exchange(sent, [{k: scaled[i][k] for k in self.wire.exact} for i in range(N)])
       for k in NAMES:
-        self.p[k] = (self.p[k] + np.where(self.nu[k] > 0, mean[k] / denominator[k], F32(0))).astype(F32)
+        # The restarted momentum: the average step, less its weight decay share.
         self.mu[k] = (-mean[k] * bc1 / self.lr_sum).astype(F32)
+        if k in DECAYED:
+          self.mu[k] = (self.mu[k] - F32(WD) * self.p[k] * denominator[k] * bc1).astype(F32)
+        self.p[k] = (self.p[k] + np.where(self.nu[k] > 0, mean[k] / denominator[k], F32(0))).astype(F32)
         for i in range(N):
           self.local_mu[i][k] = self.mu[k].copy()
           self.acc[i][k] = np.zeros(SHAPES[k], F32)
