@@ -250,18 +250,20 @@ def _local_progress(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params
   (:func:`zero_one_local_params`); the parameters themselves do not move.
   """
   mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-  local_mu, acc = jax.tree.leaves(state.local_mu), jax.tree.leaves(state.accumulator)
+  local_mu, acc = leaves_or_none(state.local_mu), leaves_or_none(state.accumulator)
   floor = floors(hp, plan, state.nu_l1, bc2)
   new_mu, new_acc = [], []
   for i, g in enumerate(grads):
-    base = jnp.where(sched.fresh, mus[i], local_mu[i][0])  # the momentum of the last sync
+    # The momentum and progress since the last sync (none kept: a sync every step).
+    base = mus[i] if local_mu is None else jnp.where(sched.fresh, mus[i], local_mu[i][0])
+    a = 0.0 if acc is None else acc[i][0]
     m = hp.b1 * base + (1.0 - hp.b1) * g.astype(F32)
     d = direction(hp, m, nus[i], bc1, bc2, floor[i], True, True)
-    theta = acc[i][0] if params is None else params[i].astype(F32) + acc[i][0]
+    theta = a if params is None else params[i].astype(F32) + a
     new_mu.append(m)
     if plan.decays(i):
       d = d + hp.weight_decay * theta
-    new_acc.append(acc[i][0] - sched.lr * d)
+    new_acc.append(a - sched.lr * d)
   return new_mu, new_acc
 
 
@@ -310,15 +312,22 @@ def _sync(hp: Hyper, plan: Plan, state, sched: Schedule, acc, denominators, bc1,
     mu.append(jnp.where(finite & (lr_sum > 0), _momentum_after_sync(
         hp, plan, i, avg, denominators[i], bc1, lr_sum, params), m))
   vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
-  local_sent = tuple(jnp.where(finite, u, 0.0).astype(old.dtype)
-                     for u, old in zip(sent, state.local_sent))
-  return Result(updates, mu, nus, state.nu_l1, local_sent, jnp.where(finite, scales, 0.0),
+  # A dropped sync keeps the last sent values (their error feedback stays valid),
+  # unless they were the gradients' (the first sync after the freeze).
+  keep = lambda new, old: jnp.where(finite, new, jnp.where(sched.fresh, 0.0, old)).astype(old.dtype)
+  local_sent = tuple(keep(u, old) for u, old in zip(sent, state.local_sent))
+  return Result(updates, mu, nus, state.nu_l1, local_sent, keep(scales, state.worker_scale),
                 server_error, [vary(m) for m in mu], [vary(jnp.zeros_like(a)) for a in acc],
                 finite, jnp.float32(_bytes_onebit(plan)))
 
 
 def local_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result:
-  """A local step (no communication), or a sync step: the local step, then the 1-bit sync."""
+  """A local step (no communication), or a sync step: the local step, then the 1-bit sync.
+
+  Without local steps (after the freeze) every step is a sync, in direction
+  units (``sched.lr`` is 1, the chain's learning rate follows) and with no
+  per-device momentum or accumulator kept between steps.
+  """
   bc1 = bias_correction(hp.b1, sched.count)
   bc2 = bias_correction(hp.b2, state.variance_updates)
   new_mu, acc = _local_progress(hp, plan, grads, state, sched, params, bc1, bc2)
@@ -335,4 +344,7 @@ def local_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> 
     denominators = _preconditioners(hp, plan, nus, state.nu_l1, bc2)
     return _sync(hp, plan, state, sched, acc, denominators, bc1, lr_sum, params)
 
+  if hp.local_steps is None:
+    res = sync(new_mu, acc)
+    return res._replace(updates=[-u for u in res.updates], local_mu=None, accumulator=None)
   return jax.lax.cond(sched.sync, sync, no_sync, new_mu, acc)

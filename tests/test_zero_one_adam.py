@@ -223,7 +223,8 @@ class _Simulation:
     fresh = self.phase in ("none", "variance", "compressed")
     grads = self.grads(True)
     bc1, bc2 = F32(1) - F32(B1) ** t, F32(1) - F32(B2) ** self.var_updates
-    lr = F32(LR)
+    # Without local steps: a sync every step, in direction units (the chain applies -LR).
+    lr = F32(LR) if self.H is not None else F32(1)
     for i in range(N):
       for k in NAMES:
         base = self.mu[k] if fresh else self.local_mu[i][k]
@@ -235,7 +236,7 @@ class _Simulation:
           d = d + F32(WD) * theta
         self.acc[i][k] = (self.acc[i][k] - lr * d).astype(F32)
     self.lr_sum = F32(self.lr_sum + lr)
-    sync = self.since + 1 >= self.l_interval
+    sync = self.H is None or self.since + 1 >= self.l_interval
     self.wire_bytes = 0.0
     if sync:
       if fresh:  # the error buffers held the gradients' errors: they restart
@@ -253,7 +254,10 @@ class _Simulation:
         self.mu[k] = (-mean[k] * bc1 / self.lr_sum).astype(F32)
         if k in DECAYED:
           self.mu[k] = (self.mu[k] - F32(WD) * self.p[k] * denominator[k] * bc1).astype(F32)
-        self.p[k] = (self.p[k] + np.where(self.nu[k] > 0, mean[k] / denominator[k], F32(0))).astype(F32)
+        move = np.where(self.nu[k] > 0, mean[k] / denominator[k], F32(0)).astype(F32)
+        if self.H is None:  # the transformation returns -move, the chain scales it by -LR
+          move = ((-F32(LR)) * (-move)).astype(F32)
+        self.p[k] = (self.p[k] + move).astype(F32)
         for i in range(N):
           self.local_mu[i][k] = self.mu[k].copy()
           self.acc[i][k] = np.zeros(SHAPES[k], F32)
@@ -261,7 +265,7 @@ class _Simulation:
     else:
       self.since += 1
     self.l_counter += 1
-    if self.l_counter == self.scaler:
+    if self.H is not None and self.l_counter == self.scaler:
       self.l_counter, self.l_interval = 0, min(self.H, 2 * self.l_interval)
     return sync
 
@@ -272,7 +276,7 @@ class _Simulation:
     if not frozen and t % self.interval == 0:
       self._variance(t)
       self.phase = "variance"
-    elif frozen and self.H is not None:
+    elif frozen:
       self.phase = "sync" if self._local(t) else "local"
     else:
       self._compressed(t)
@@ -372,7 +376,7 @@ def _replicas(copies):
 
 @pytest.mark.parametrize("H", [None, 4])
 def test_matches_numpy_simulation(H):
-  """Variance steps (interval 1, 2, 4), compressed steps, the freeze; with H: local steps and syncs."""
+  """Variance steps (interval 1, 2, 4), compressed steps, the freeze (then syncs); with H: local steps."""
   steps = 26 if H is None else 34
   step, params, state, c, t = _start(H)
   params0, c_np, t_np = _problem()
@@ -386,7 +390,7 @@ def test_matches_numpy_simulation(H):
     _replicas(copies)
   # Variance steps 1-3 (interval 1), 4, 6, 8 (2), 12 (4); frozen after 14. Local steps:
   # the sync interval doubles every 4 local-phase steps, up to H = 4.
-  expected = "vvvvcvcvcccvcc" + ("c" * 12 if H is None else "ssss" + "ls" * 2 + "llls" * 3)
+  expected = "vvvvcvcvcccvcc" + ("s" * 12 if H is None else "ssss" + "ls" * 2 + "llls" * 3)
   assert "".join(phases) == expected[:steps]
 
 
@@ -480,8 +484,8 @@ def test_hlo_collectives_per_kind_of_step(H):
     variance = [b for b in branches if any(k == "all-reduce" for k, _, _ in b)]
     assert variance == [[("all-reduce", "f32", d)]], conds
     onebit = [b for b in branches if any(k == "all-to-all" for k, _, _ in b)]
-    # Compressed step (and, with local steps, the sync and the local branch holding it).
-    assert len(onebit) == (1 if H is None else 3), conds
+    # The compressed step, the sync and (with local steps) the local branch holding the sync.
+    assert len(onebit) == (2 if H is None else 3), conds
     for b in onebit:
       assert {k for k, _, _ in b} == {"all-to-all", "all-gather"} and len(b) == 2, b
       assert all(dtype == "u8" and size == N * row_bytes for _, dtype, size in b), (b, row_bytes)
@@ -576,7 +580,7 @@ def test_replicas_bitwise_identical_over_120_steps(H):
 
 
 def test_nonfinite_steps_are_skipped_on_every_device():
-  """A NaN on one device, on a variance step and on a compressed step: the run equals the one without them."""
+  """A NaN on one device on a variance, a compressed and a sync step: the run equals the one without them."""
   step, params, state, c, t = _start(None)
   _, _, t_np = _problem()
   bad = {k: v.copy() for k, v in t_np.items()}
@@ -584,11 +588,11 @@ def test_nonfinite_steps_are_skipped_on_every_device():
   t_bad = jax.device_put(bad, NamedSharding(_mesh(), P("data")))
   clean_params, clean_state = params, state
   for n in range(18):
-    if n in (1, 6):  # steps 2 (variance) and 7 (compressed) of the clean run
+    if n in (1, 6, 16):  # steps 2 (variance), 7 (compressed), 17 (sync) of the clean run
       params, state, _ = step(params, state, c, t_bad)
     params, state, _ = step(params, state, c, t)
     clean_params, clean_state, _ = step(clean_params, clean_state, c, t)
-  assert int(_inner(state).skipped_steps) == 2 and int(_inner(clean_state).skipped_steps) == 0
+  assert int(_inner(state).skipped_steps) == 3 and int(_inner(clean_state).skipped_steps) == 0
   same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
                       (params, _inner(state)._replace(skipped_steps=0)),
                       (clean_params, _inner(clean_state)))
