@@ -348,8 +348,9 @@ def scale_by_zero_one_adam(
   through the 1-bit mean, and :math:`m` restarts from the mean. This
   compresses the momentum, as 1-bit Adam does after its freeze: on the digits
   MLP, compressing the gradient for the rest of the run from an early freeze
-  (T_v = 15 of 300) cost +28% held-out loss against AdamW, these syncs -5%
-  (``benchmarks/results/zero_one_volume.md``, 3 seeds). The error feedback
+  (T_v = 15 of 300, the first version of this code) cost +28% held-out loss
+  against AdamW, these syncs -4% (``benchmarks/zero_one_volume.py``, 3 seeds,
+  within their spread of AdamW). The error feedback
   restarts at the first of them (its buffers held the gradients' errors).
 
   **Local steps** (``local_steps=H``, after :math:`T_v`): each device runs its
