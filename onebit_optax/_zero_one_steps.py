@@ -287,10 +287,10 @@ def _sync(hp: Hyper, plan: Plan, state, sched: Schedule, acc, denominators, bc1,
           params):
   r"""The sync: the 1-bit mean of :math:`a_i(\sqrt{\hat v}+\epsilon)`, applied as :math:`\bar a/(\sqrt{\hat v}+\epsilon)`.
 
-  The momentum restarts from :math:`m = -\bar a\,(1-\beta_1^t)/\sum\eta`
-  (DeepSpeed's :math:`-\bar u/\sum\eta`, in our bias-corrected units), on every
-  device alike. A non-finite mean drops the interval on every device (the
-  parameters stay, the accumulators and momenta restart from the last sync).
+  The momentum restarts from the mean (:func:`_momentum_after_sync`), on
+  every device alike. A non-finite mean drops the interval on every device
+  (the parameters stay, the accumulators and momenta restart from the last
+  sync; without local steps: a skipped step).
   """
   layout, mus, nus = plan.layout, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
   scaled = [a * q for a, q in zip(acc, denominators)]
