@@ -761,3 +761,31 @@ def test_checkpoint_resumes_bitwise_in_every_phase(tmp_path):
   for _ in range(end - 23):
     p, s, _ = step(p, s, c, t)
   assert not np.array_equal(np.asarray(p["w"]), np.asarray(params["w"]))
+
+
+@pytest.mark.parametrize("H", [None, 2])
+def test_bfloat16_params_under_inject_hyperparams(H):
+  """bfloat16 parameters and gradients, an injected learning rate (float32 hyperparameters):
+  updates in the gradients' dtype from the transformation, float32 moments, a run that converges."""
+  tx = optax.inject_hyperparams(
+      onebit_optax.zero_one_adam, hyperparam_dtype=jnp.float32,
+      static_args=("local_steps", "var_freeze_step", "var_update_scaler", "local_step_scaler"))(
+          learning_rate=0.05, axis_name=None, var_freeze_step=5, local_steps=H, weight_decay=0.01)
+  params = {"w": jnp.ones(300, jnp.bfloat16), "b": jnp.zeros(3, jnp.bfloat16)}
+  loss = lambda p: (jnp.sum((p["w"].astype(jnp.float32) - 0.3) ** 2)
+                    + jnp.sum(p["b"].astype(jnp.float32) ** 2))
+
+  @jax.jit
+  def step(params, state):
+    grads = jax.grad(loss)(onebit_optax.zero_one_local_params(params, state, None))
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for _ in range(40):
+    params, state = step(params, state)
+  inner = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(
+      s, onebit_optax.ScaleByZeroOneAdamState)) if isinstance(s, onebit_optax.ScaleByZeroOneAdamState)][0]
+  assert onebit_optax.zero_one_phase(state) in (("sync",) if H is None else ("sync", "local"))
+  assert params["w"].dtype == jnp.bfloat16 and inner.mu["w"].dtype == jnp.float32
+  assert float(loss(params)) < 0.05 * float(loss({"w": jnp.ones(300), "b": jnp.zeros(3)}))
