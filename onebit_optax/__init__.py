@@ -44,6 +44,7 @@ from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 from onebit_optax._zero_one_adam import zero_one_adam
 from onebit_optax._zero_one_sharding import init_zero_one_sharded
 from onebit_optax._zero_one_sharding import zero_one_local_params
+from onebit_optax._zero_one_sharding import zero_one_move_state
 from onebit_optax._zero_one_sharding import zero_one_partition_specs
 from onebit_optax._zero_one_sharding import zero_one_phase
 
@@ -94,6 +95,7 @@ __all__ = (
     "wire_bytes",
     "zero_one_adam",
     "zero_one_local_params",
+    "zero_one_move_state",
     "zero_one_partition_specs",
     "zero_one_phase",
 )

@@ -13,7 +13,7 @@ from onebit_optax import _zero_one_steps as _steps
 from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 
 __all__ = ["zero_one_phase", "zero_one_local_params", "zero_one_partition_specs",
-           "init_zero_one_sharded"]
+           "init_zero_one_sharded", "zero_one_move_state"]
 
 _PER_DEVICE = ("local_sent", "worker_scale", "server_error", "local_mu", "accumulator")
 
@@ -108,3 +108,66 @@ def init_zero_one_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
   specs = zero_one_partition_specs(abstract, axis_name)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   return jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=specs))(params)
+
+
+# What a move to another mesh keeps: everything but the per-device error feedback.
+_CARRIED = ("count", "mu", "nu", "nu_l1", "variance_updates", "var_interval", "var_counter",
+            "lr_sum", "local_interval", "local_counter", "since_sync", "phase", "wire_bytes",
+            "skipped_steps")
+
+
+def _moved(old: ScaleByZeroOneAdamState, new: ScaleByZeroOneAdamState, mesh: Mesh, axis_name):
+  if old.accumulator is not None and int(np.asarray(old.since_sync).reshape(-1)[0]) != 0:
+    raise ValueError(
+        "zero_one_move_state: the state is between two syncs (since_sync = "
+        f"{int(np.asarray(old.since_sync).reshape(-1)[0])}): each device holds its own "
+        "progress, which another device count cannot take over. Save (or move) it right "
+        "after a sync, when zero_one_phase(state) == 'sync'.")
+  replicated = lambda x: jax.device_put(np.asarray(x), NamedSharding(mesh, P()))
+  fields = {name: jax.tree.map(replicated, getattr(old, name)) for name in _CARRIED}
+  if old.local_mu is not None:  # right after a sync every device's momentum is the synced one
+    rows = jax.tree.map(lambda m, row: jax.device_put(
+        np.broadcast_to(np.asarray(m), row.shape), NamedSharding(mesh, P(axis_name))),
+        old.mu, new.local_mu)
+    fields["local_mu"] = rows
+  return new._replace(**fields)
+
+
+def zero_one_move_state(tx, params, opt_state, mesh: Mesh, axis_name: Hashable = "data"):
+  """A 0/1 Adam state moved onto ``mesh`` (e.g. another device count): moments and schedule kept.
+
+  The moments, the variance schedule (count, interval, counters), the
+  local-step schedule and the phase are carried over; the per-device error
+  feedback (``local_sent``, ``worker_scale``, ``server_error``) is laid out
+  for one chunk per device and restarts from zero, as it does after the freeze.
+  With local steps the state must come from right after a sync (each device's
+  progress between syncs has no owner on another device count). Other states
+  of the chain (counters of ``optax.scale_by_learning_rate``,
+  ``inject_hyperparams``) are taken as replicated.
+
+  Args:
+    tx: the optimizer that made ``opt_state``.
+    params: the parameters (for the shapes of the new state).
+    opt_state: the state to move (host or device arrays, e.g. restored by orbax
+      onto the old layout).
+    mesh: the new mesh.
+    axis_name: its data-parallel axis.
+
+  Returns:
+    The state on ``mesh``, sharded as :func:`zero_one_partition_specs` says.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.zero_one_adam(1e-3, axis_name='data', var_freeze_step=10)
+    >>> mesh = jax.make_mesh((1,), ('data',))
+    >>> state = onebit_optax.init_zero_one_sharded(tx, {'w': jnp.ones(300)}, mesh)
+    >>> moved = onebit_optax.zero_one_move_state(tx, {'w': jnp.ones(300)}, state, mesh)
+    >>> moved[0].local_sent[0].shape, int(moved[0].count)
+    ((1, 300), 0)
+  """
+  new_state = init_zero_one_sharded(tx, params, mesh, axis_name)
+  old_state = _find(opt_state)
+  moved = _moved(old_state, _find(new_state), mesh, axis_name)
+  replicated = lambda x: jax.device_put(np.asarray(x), NamedSharding(mesh, P()))
+  return jax.tree.map(lambda node: moved if _is_state(node) else replicated(node), opt_state,
+                      is_leaf=_is_state)

@@ -789,3 +789,45 @@ def test_bfloat16_params_under_inject_hyperparams(H):
   assert onebit_optax.zero_one_phase(state) in (("sync",) if H is None else ("sync", "local"))
   assert params["w"].dtype == jnp.bfloat16 and inner.mu["w"].dtype == jnp.float32
   assert float(loss(params)) < 0.05 * float(loss({"w": jnp.ones(300), "b": jnp.zeros(3)}))
+
+
+@pytest.mark.parametrize("H", [None, 4])
+def test_move_state_to_another_device_count(H):
+  """8 -> 4 devices: moments and schedule carried, error feedback re-laid out (zeros); between syncs refused."""
+  step, params, state, c, t = _start(H)
+  for _ in range(22):  # step 22: a sync (with H = 4: syncs at 20, 22, 26)
+    params, state, _ = step(params, state, c, t)
+  assert onebit_optax.zero_one_phase(state) == "sync"
+  tx = _tx(H)
+  mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  host_params = jax.tree.map(np.asarray, params)
+  moved = onebit_optax.zero_one_move_state(tx, host_params, state, mesh4)
+  old, new = _inner(state), _inner(moved)
+  for name in ("count", "mu", "nu", "nu_l1", "variance_updates", "var_interval", "var_counter",
+               "local_interval", "local_counter", "since_sync", "phase"):
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
+                        getattr(old, name), getattr(new, name))
+    assert all(jax.tree.leaves(same)), name
+  assert [np.shape(u) for u in new.local_sent] == [(4, 100), (4, 60, 20)]
+  assert not any(np.any(np.asarray(u)) for u in new.local_sent)
+  chunk4 = _flat.Bits([100, 1200], 4).chunk
+  assert np.shape(new.server_error) == (4, chunk4) and not np.any(np.asarray(new.server_error))
+  if H is not None:
+    np.testing.assert_array_equal(np.asarray(new.local_mu["w"])[3], np.asarray(old.mu["w"]))
+  # The moved state is one the 4-device update accepts (traced, not compiled).
+  specs = onebit_optax.zero_one_partition_specs(moved, "data")
+
+  @functools.partial(jax.shard_map, mesh=mesh4, in_specs=(P(), specs, P("data"), P("data")),
+                     out_specs=P())
+  def update(params, opt_state, c, t):
+    local = onebit_optax.zero_one_local_params(params, opt_state, "data")
+    grads = jax.grad(_loss)(local, jax.tree.map(lambda x: x[0], c), jax.tree.map(lambda x: x[0], t))
+    return jax.tree.map(jnp.sum, tx.update(grads, opt_state, params)[0])
+
+  _, c_np, t_np = _problem()
+  half = lambda tree: _placed(mesh4, jax.tree.map(lambda x: x[:4], tree), P("data"))
+  jax.eval_shape(update, _placed(mesh4, host_params, P()), moved, half(c_np), half(t_np))
+  if H is not None:
+    params, state, _ = step(params, state, c, t)  # step 23: local, between syncs
+    with pytest.raises(ValueError, match="between two syncs"):
+      onebit_optax.zero_one_move_state(tx, host_params, state, mesh4)
