@@ -73,6 +73,13 @@ def zero_one_local_params(params, opt_state, axis_name: Hashable):
 
   Returns:
     A tree like ``params``.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.zero_one_adam(1e-3, axis_name=None, var_freeze_step=10, local_steps=4)
+    >>> params = {'w': jnp.ones(2)}
+    >>> onebit_optax.zero_one_local_params(params, tx.init(params), None)  # no progress yet
+    {'w': Array([1., 1.], dtype=float32)}
   """
   accumulator = _find(opt_state).accumulator
   if accumulator is not None:
@@ -82,6 +89,18 @@ def zero_one_local_params(params, opt_state, axis_name: Hashable):
 
 def zero_one_partition_specs(opt_state, axis_name: Hashable):
   """PartitionSpecs of a state holding a 0/1 Adam state: per-device buffers ``P(axis_name)``, the rest ``P()``.
+
+  The per-device buffers (``local_sent``, ``worker_scale``, ``server_error``,
+  ``local_mu``, ``accumulator``) have one row per device on their leading
+  axis; every other leaf, and every other transformation's state, is
+  replicated. Use the result as the state's ``in_specs``/``out_specs``.
+
+  Args:
+    opt_state: the optimizer state (or its ``jax.eval_shape``).
+    axis_name: the data-parallel mesh axis.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with the structure of ``opt_state``.
 
   Example:
     >>> import jax.numpy as jnp, onebit_optax
@@ -102,7 +121,25 @@ def zero_one_partition_specs(opt_state, axis_name: Hashable):
 
 
 def init_zero_one_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
-  """Runs ``tx.init(params)`` under ``shard_map`` on ``mesh``: a state placed per :func:`zero_one_partition_specs`."""
+  """Runs ``tx.init(params)`` under ``shard_map`` on ``mesh``: a state placed per :func:`zero_one_partition_specs`.
+
+  Args:
+    tx: the optimizer (holding one 0/1 Adam transformation).
+    params: the parameters (replicated values).
+    mesh: the device mesh.
+    axis_name: its data-parallel axis, the one the optimizer was built with.
+
+  Returns:
+    The optimizer state on ``mesh``: per-device buffers one row per device.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.zero_one_adam(1e-3, axis_name='data', var_freeze_step=10)
+    >>> mesh = jax.make_mesh((1,), ('data',))
+    >>> state = onebit_optax.init_zero_one_sharded(tx, {'w': jnp.ones(300)}, mesh)
+    >>> state[0].local_sent[0].shape  # (devices, *leaf shape)
+    (1, 300)
+  """
   abstract = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
                                           check_vma=False), params)
   specs = zero_one_partition_specs(abstract, axis_name)
