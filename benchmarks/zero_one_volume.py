@@ -1,6 +1,7 @@
 """0/1 Adam's volume and rounds against 1-bit Adam and AdamW on a small task (issue 19, a first look).
 
-    .venv/bin/python benchmarks/zero_one_volume.py           # ~5 min on 2 cores
+    .venv/bin/python benchmarks/zero_one_volume.py           # ~5 min on 2 cores (3 seeds)
+    .venv/bin/python benchmarks/zero_one_volume.py --seeds 6 # ~12 min
     .venv/bin/python benchmarks/zero_one_volume.py --quick   # 1 seed, 100 steps (a smoke run)
 
 The digits task of ``_conv_tasks.py`` (64-256-256-10 MLP, 300 steps, global
@@ -198,14 +199,16 @@ def _report(results, task, seeds, meta):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                     "zero_one_volume.md"))
   args = parser.parse_args(argv)
   wall0 = time.time()
   meta = _conv_report.machine_meta(
-      "python benchmarks/zero_one_volume.py" + (" --quick" if args.quick else ""), args.quick)
+      "python benchmarks/zero_one_volume.py" + (" --quick" if args.quick else "")
+      + (f" --seeds {args.seeds}" if args.seeds != 3 else ""), args.quick)
   (task,) = _conv_tasks.make_tasks(["digits"], steps=100 if args.quick else None)
-  seeds = (0,) if args.quick else (0, 1, 2)
+  seeds = (0,) if args.quick else tuple(range(args.seeds))
   mesh = jax.make_mesh((N,), (AXIS,))
   results = {label: _run(label, kind, options, task, seeds, mesh)
              for label, kind, options in CONFIGS}

@@ -349,8 +349,8 @@ def scale_by_zero_one_adam(
   compresses the momentum, as 1-bit Adam does after its freeze: on the digits
   MLP, compressing the gradient for the rest of the run from an early freeze
   (T_v = 15 of 300, the first version of this code) cost +28% held-out loss
-  against AdamW, these syncs -4% (``benchmarks/zero_one_volume.py``, 3 seeds,
-  within their spread of AdamW). The error feedback
+  against AdamW (3 seeds), these syncs -1.9 ± 7.2% (6 seeds, within their
+  spread; ``benchmarks/results/zero_one_volume.md``). The error feedback
   restarts at the first of them (its buffers held the gradients' errors).
 
   **Local steps** (``local_steps=H``, after :math:`T_v`): each device runs its
@@ -398,13 +398,13 @@ def scale_by_zero_one_adam(
   ``local_step_scaler`` = 32678): :math:`\kappa` = 16 as DeepSpeed, the
   scaler 32 (:math:`J` = 16 after 128 local-phase steps), :math:`T_v`
   required: the end of the learning-rate warmup. Measured on the digits MLP
-  (300 steps, 8 devices, 3 seeds; ``benchmarks/results/zero_one_volume.md``, a
+  (300 steps, 8 devices, 6 seeds; ``benchmarks/results/zero_one_volume.md``, a
   first look, not the convergence protocol): :math:`T_v` = 15 with
-  :math:`H` = 16 sent 17.5x fewer bytes than AdamW and 2.2x fewer than 1-bit
+  :math:`H` = 16 sent 17.5x fewer bytes than AdamW and 2.7x fewer than 1-bit
   Adam's default, in 84 rounds of 300, at a held-out loss within the seeds'
-  spread of AdamW's; a larger :math:`T_v` with :math:`\kappa` = 16 spends its
-  bytes on float32 variance steps (:math:`T_v` = 100: 45 of them, 5.7x fewer
-  bytes than AdamW); :math:`\kappa` = 4 halves that.
+  spread of AdamW's (-1.2 ± 13.8%); a larger :math:`T_v` with :math:`\kappa`
+  = 16 spends its bytes on float32 variance steps (:math:`T_v` = 100: 45 of
+  them, 5.7x fewer bytes than AdamW); :math:`\kappa` = 4 halves that.
 
   Args:
     b1: decay rate of the first moment.
