@@ -13,6 +13,8 @@ from onebit_optax import _collective
 from onebit_optax import _partition
 from onebit_optax._compressed_updates import CompressedMeanState
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
+from onebit_optax import _zero_one_sharding
+from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 
 __all__ = ["local_params", "model_replicated", "state_partition_specs", "init_sharded"]
 
@@ -129,7 +131,7 @@ def _device_axes(axis_name: Hashable, model_axis: Optional[Hashable]):
 
 def state_partition_specs(opt_state, axis_name: Hashable,
                           model_axis: Optional[Hashable] = None, *, param_specs=None):
-  """PartitionSpecs for an optimizer state holding a 1-bit Adam state.
+  """PartitionSpecs for an optimizer state holding a 1-bit Adam (or 0/1 Adam) state.
 
   The per-device buffers (``local_momentum``, ``worker_scale``, the error
   buffers) are sharded over the data axis on their leading axis
@@ -210,10 +212,15 @@ def state_partition_specs(opt_state, axis_name: Hashable,
     if isinstance(node, CompressedMeanState):
       replicated = jax.tree.map(lambda _: P(), node)
       return replicated._replace(worker_error=per_device, server_error=per_device)
+    if isinstance(node, ScaleByZeroOneAdamState):
+      if model_axis is not None:
+        raise ValueError("state_partition_specs: 0/1 Adam has no model_axis (data-parallel "
+                         "meshes only); pass model_axis=None.")
+      return _zero_one_sharding.zero_one_partition_specs(node, axis_name)
     return P()
   return jax.tree.map(
-      spec, opt_state,
-      is_leaf=lambda x: isinstance(x, (ScaleByOnebitAdamState, CompressedMeanState)))
+      spec, opt_state, is_leaf=lambda x: isinstance(
+          x, (ScaleByOnebitAdamState, CompressedMeanState, ScaleByZeroOneAdamState)))
 
 
 def _is_spec(x) -> bool:

@@ -13,6 +13,7 @@ import optax
 from onebit_optax import _collective
 from onebit_optax import _freeze
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
+from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 
 __all__ = ["Status", "status", "replicas_identical", "assert_replicas_identical"]
 
@@ -361,6 +362,12 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
     ('warmup', 2000)
   """
   found = _find(opt_state, ScaleByOnebitAdamState)
+  if not found and _find(opt_state, ScaleByZeroOneAdamState):
+    raise ValueError(
+        "status: this is a 0/1 Adam state, which status() does not summarise yet: "
+        "onebit_optax.zero_one_phase(state) names the last step's kind (variance, compressed, "
+        "local, sync), and the state's count, wire_bytes and skipped_steps fields hold the "
+        "step, the bytes the last step sent and the skipped steps.")
   if len(found) != 1:
     raise ValueError(
         f"status: expected exactly one 1-bit Adam state inside the optimizer state, found "

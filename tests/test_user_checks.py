@@ -134,3 +134,21 @@ def test_no_default_freeze_warning_when_the_choice_is_explicit(kwargs):
   with warnings.catch_warnings():
     warnings.simplefilter("error", onebit_optax.DefaultFreezeWarning)
     onebit_optax.onebit_adam(1e-3, **kwargs)
+
+
+# --- 0/1 Adam through the same recipe helpers ----------------------------------------------
+
+def test_init_sharded_and_state_partition_specs_take_a_zero_one_state():
+  mesh = jax.make_mesh((N,), ("data",))
+  tx = onebit_optax.zero_one_adam(1e-3, axis_name="data", var_freeze_step=10)
+  params = {"w": jnp.ones(300), "b": jnp.zeros(3)}
+  state = onebit_optax.init_sharded(tx, params, mesh, "data")
+  specs = onebit_optax.state_partition_specs(state, "data")
+  zo = state[0]
+  # Per-device buffers: one row per device, sharded over 'data'; the moments replicated.
+  assert zo.worker_scale.shape[0] == N and specs[0].worker_scale == P("data")
+  assert tuple(zo.worker_scale.sharding.spec)[0] == "data"
+  assert [u.shape for u in zo.local_sent] == [(N, 300)]
+  assert specs[0].mu == {"w": P(), "b": P()} and zo.mu["w"].sharding.is_fully_replicated
+  with pytest.raises(ValueError, match="zero_one_phase"):
+    onebit_optax.status(state)
