@@ -863,7 +863,7 @@ def onebit_adam(
            else optax.add_decayed_weights(weight_decay))
   if mask is not None:
     decay = optax.masked(decay, mask)
-  return optax.chain(
+  return _chain_skipping_decay(
       scale_by_onebit_adam(
           b1, b2, eps, axis_name=axis_name, freeze=freeze, variance_floor=variance_floor,
           max_update=max_update, model_axis=model_axis, moment_dtype=moment_dtype,
@@ -871,3 +871,25 @@ def onebit_adam(
           skip_nonfinite=skip_nonfinite, exact_below=exact_below),
       decay,
       optax.scale_by_learning_rate(learning_rate))
+
+
+def _chain_skipping_decay(scale, decay, lr) -> optax.GradientTransformationExtraArgs:
+  r"""``optax.chain(scale, decay, lr)`` (same state), whose decay also skips a skipped step.
+
+  A non-finite step leaves the parameters unchanged: :func:`scale_by_onebit_adam`
+  returns zeros and counts it in ``skipped_steps``; the decay then sees the
+  parameters times 0 (times 1 on every other step: bitwise the same), where
+  ``optax.chain`` would still have shrunk them by :math:`\eta\lambda`.
+  """
+  chained = optax.chain(scale, decay, lr)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, scale_state = scale.update(updates, state[0], params, **extra_args)
+    if params is not None:
+      kept = (scale_state.skipped_steps == state[0].skipped_steps)
+      params = jax.tree.map(lambda p: p * kept.astype(p.dtype), params)
+    updates, decay_state = decay.update(updates, state[1], params)
+    updates, lr_state = lr.update(updates, state[2], params)
+    return updates, (scale_state, decay_state, lr_state)
+
+  return optax.GradientTransformationExtraArgs(chained.init, update_fn)

@@ -152,3 +152,28 @@ def test_init_sharded_and_state_partition_specs_take_a_zero_one_state():
   assert specs[0].mu == {"w": P(), "b": P()} and zo.mu["w"].sharding.is_fully_replicated
   with pytest.raises(ValueError, match="zero_one_phase"):
     onebit_optax.status(state)
+
+
+# --- a skipped step leaves the parameters alone, weight decay included ----------------------
+
+def test_a_skipped_step_does_not_decay_the_weights():
+  tx = onebit_optax.onebit_adam(0.1, axis_name=None, weight_decay=0.1, freeze=3)
+  params = {"w": jnp.arange(1.0, 5.0), "b": jnp.ones(2)}
+  state = tx.init(params)
+  good = {"w": jnp.ones(4), "b": jnp.ones(2)}
+  bad = {"w": jnp.ones(4).at[2].set(jnp.nan), "b": jnp.ones(2)}
+  update = jax.jit(tx.update)
+  for grads in (good, bad, good, good, bad):  # a skip in warmup and one after the freeze
+    updates, new_state = update(grads, state, params)
+    if grads is bad:
+      assert int(new_state[0].skipped_steps) == int(state[0].skipped_steps) + 1
+      for leaf in jax.tree.leaves(updates):
+        np.testing.assert_array_equal(np.asarray(leaf), 0.0)  # was -lr * wd * params
+    params, state = optax.apply_updates(params, updates), new_state
+  # A step that is not skipped still decays as optax.adamw does (warmup, first step).
+  p0 = {"w": jnp.arange(1.0, 5.0), "b": jnp.ones(2)}
+  ours, _ = tx.update(good, tx.init(p0), p0)
+  ref = optax.adamw(0.1, weight_decay=0.1, eps=1e-8)
+  theirs, _ = ref.update(good, ref.init(p0), p0)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
