@@ -75,6 +75,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _netns  # noqa: E402  (benchmarks/_netns.py)
+import _provenance  # noqa: E402
 
 WORKER = HERE / "_comm_worker.py"
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -904,15 +905,7 @@ def _loopback_bandwidth() -> dict:
   return _netns.parse_probe(client.stdout + out)
 
 
-def _git_commit() -> str:
-  """Short commit of the checkout, with '+ uncommitted onebit_optax changes' if any."""
-  try:
-    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
-                                    cwd=HERE, check=True).stdout.strip()
-    dirty = run("status", "--porcelain", "--", "../onebit_optax")
-    return run("rev-parse", "--short", "HEAD") + (" + uncommitted onebit_optax changes" if dirty else "")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
+_git_commit = _provenance.git_commit
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,8 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import onebit_optax  # noqa: E402
+
+import _provenance  # noqa: E402  (benchmarks/, the script's directory)
 
 AXIS = "data"
 LEAF = 1000
@@ -109,14 +110,7 @@ def measure(name: str, leaves: int, mesh) -> dict:
   return {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2, "total_s": t3 - t0}
 
 
-def _git_commit() -> str:
-  try:
-    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent, check=True).stdout.strip()
-    dirty = run("status", "--porcelain", "--", "../onebit_optax")
-    return run("rev-parse", "--short", "HEAD") + (" + uncommitted onebit_optax changes" if dirty else "")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
+_git_commit = _provenance.git_commit
 
 
 def main():

@@ -52,7 +52,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,6 +90,8 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import onebit_optax  # noqa: E402
+
+import _provenance  # noqa: E402  (benchmarks/, the script's directory)
 
 
 LR = 1e-3
@@ -286,15 +287,7 @@ def update_only_temporaries(tree) -> dict:
 
 # ----------------------------------------------------------------------------- report
 
-def _git_commit() -> str:
-  """Short commit of the checkout, with '+ uncommitted onebit_optax changes' if any."""
-  try:
-    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent, check=True).stdout.strip()
-    dirty = run("status", "--porcelain", "--", "../onebit_optax")
-    return run("rev-parse", "--short", "HEAD") + (" + uncommitted onebit_optax changes" if dirty else "")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
+_git_commit = _provenance.git_commit
 
 
 def _ok(ok: bool) -> str:
