@@ -6,8 +6,11 @@ Subcommands:
               steps), timing each step and reading the interface's (and
               loopback's) byte counters; with --mesh NxK also on a 2-D
               ('node', 'local') mesh: Adam's pmean over both axes and
-              hierarchical onebit_adam (axis_name=('node', 'local')). Writes
-              one JSON file per rank.
+              hierarchical onebit_adam (axis_name=('node', 'local')); with
+              the zero_one mode also 0/1 Adam on its real schedule (variance,
+              compressed, local and sync steps), every step's phase recorded
+              and the counters read at each change of phase. Writes one JSON
+              file per rank.
   tcp-server  / tcp-client: a plain TCP goodput and round-trip probe, so the
               alpha-beta model uses the bandwidth the link really gives.
 
@@ -166,7 +169,12 @@ class _Bench:
     batched = NamedSharding(mesh, P(axis))
     return jax.jit(make, out_shardings=(batched, batched))(jax.random.key(1))
 
-  def make_step(self, mesh, axis, tx, state_specs, reduce_grads):
+  def make_step(self, mesh, axis, tx, state_specs, reduce_grads, grad_params=None):
+    """The jitted shard_map train step; ``grad_params(params, opt_state)``: where to differentiate.
+
+    Default: ``local_params(params, axis)`` (this device's typed copy); 0/1 Adam
+    with local steps needs ``zero_one_local_params(params, opt_state, axis)``.
+    """
     import functools
 
     import jax
@@ -190,8 +198,9 @@ class _Bench:
     def step(params, opt_state, tokens, labels):
       # Local gradients (no all-reduce in the backward pass); each optimizer
       # decides how to average them.
-      loss, grads = jax.value_and_grad(self.loss_fn)(
-          onebit_optax.local_params(params, axis), tokens, labels)
+      at = (onebit_optax.local_params(params, axis) if grad_params is None
+            else grad_params(params, opt_state))
+      loss, grads = jax.value_and_grad(self.loss_fn)(at, tokens, labels)
       if reduce_grads and not single_adam:
         # (With one rank XLA keeps a 1-participant all-reduce, a full copy that
         # would be counted as compute in the compute-alone run.)
@@ -280,6 +289,129 @@ def _time_onebit(bench, mesh, axis, time_warmup: bool) -> dict:
   return out
 
 
+# 0/1 Adam's hyperparameters for the timed run (comm_throughput.py passes them on).
+ZERO_ONE_DEFAULTS = dict(var_freeze_step=40, var_update_scaler=4, local_steps=8,
+                         local_step_scaler=4)
+ZERO_ONE_STEPS = 72  # steps of the timed run (step 1 compiles, untimed)
+PHASE_CODES = "vcls"  # zero_one_phase: variance, compressed, local, sync
+
+
+def zero_one_state(opt_state):
+  """The one ScaleByZeroOneAdamState inside an optax state."""
+  import jax
+
+  import onebit_optax
+  cls = onebit_optax.ScaleByZeroOneAdamState
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, cls))
+           if isinstance(s, cls)]
+  assert len(found) == 1, found
+  return found[0]
+
+
+def phase_schedule(nsteps: int, **hyper) -> str:
+  """The phase of each of ``nsteps`` steps of zero_one_adam(**hyper): one letter a step (vcls).
+
+  Runs the optimizer itself on a 2-element problem on one device
+  (axis_name=None; the schedule depends only on the step counters, the
+  gradients being finite), reading ``phase`` after every step as
+  ``zero_one_phase`` does. Used to know before a step whether it starts a new
+  phase (the counters are then read after the links went quiet), and by
+  comm_throughput.py for the phase counts of a whole run.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  import onebit_optax
+  tx = onebit_optax.zero_one_adam(1e-3, axis_name=None, **hyper)
+  params = {"w": jnp.ones(2)}
+
+  def body(carry, _):
+    p, s = carry
+    u, s = tx.update({"w": jnp.array([1.0, -2.0])}, s, p)
+    return (optax.apply_updates(p, u), s), zero_one_state(s).phase
+
+  device = jax.local_devices()[0]
+  with jax.default_device(device):
+    _, phases = jax.jit(lambda p, s: jax.lax.scan(body, (p, s), None, length=nsteps))(
+        params, tx.init(params))
+  return "".join(PHASE_CODES[int(k)] for k in np.asarray(phases))
+
+
+def _time_zero_one(bench, mesh, axis, hyper: dict, nsteps: int, settle_s: float) -> dict:
+  """zero_one_adam over ``axis`` on its real schedule: every step timed, its phase recorded.
+
+  Step 1 compiles (one program serves every phase: a lax.switch on the
+  state's counters) and is not timed. The steps then run back to back, in
+  windows: a window is a run of consecutive steps of one phase (known
+  beforehand from ``phase_schedule``); at each window's ends the ranks wait
+  ``settle_s`` (untimed) so that the last bytes of the previous step have left
+  the interface, and the counters are read. So a window of local steps shows
+  what local steps send, not the tail of the sync before them. Each step's
+  phase as the state reports it (``zero_one_phase``) and the optimizer's own
+  ``wire_bytes`` are read after the step (untimed) and checked against the
+  prediction.
+  """
+  import jax
+  import numpy as np
+
+  import onebit_optax
+  predicted = phase_schedule(nsteps, **hyper)
+  tx = onebit_optax.zero_one_adam(1e-3, axis_name=axis, **hyper)
+  params = bench.params(mesh)
+  opt_state = onebit_optax.init_zero_one_sharded(tx, params, mesh, axis_name=axis)
+  specs = onebit_optax.zero_one_partition_specs(opt_state, axis)
+  step = bench.make_step(mesh, axis, tx, specs, reduce_grads=False,
+                         grad_params=lambda p, s: onebit_optax.zero_one_local_params(p, s, axis))
+  batch = bench.batch(mesh, axis)
+  ifaces = {"": bench.args.iface, "lo_": "lo"}
+
+  def counters():
+    return {k: (_counter(i, "tx_bytes"), _counter(i, "rx_bytes")) for k, i in ifaces.items()}
+
+  def read(state):
+    z = zero_one_state(state[1])
+    return (PHASE_CODES[int(np.asarray(z.phase.addressable_data(0)))],
+            float(np.asarray(z.wire_bytes.addressable_data(0))))
+
+  t = time.perf_counter()
+  state = jax.block_until_ready(step(params, opt_state, *batch)[:2])
+  first = time.perf_counter() - t
+  phases, wire = [read(state)[0]], [read(state)[1]]
+  windows, window, before = [], None, None
+  for k in range(1, nsteps):
+    if window is None or predicted[k] != window["phase"]:
+      time.sleep(settle_s)
+      now = counters()
+      if window is not None:
+        windows.append(_close_window(window, before, now))
+      window, before = {"phase": predicted[k], "first_step": k + 1, "step_s": []}, now
+    t = time.perf_counter()
+    state = step(*state, *batch)[:2]
+    jax.block_until_ready(state)
+    window["step_s"].append(time.perf_counter() - t)
+    phase, sent = read(state)
+    phases.append(phase)
+    wire.append(sent)
+  time.sleep(settle_s)
+  windows.append(_close_window(window, before, counters()))
+  actual = "".join(phases)
+  return {"first_step_s": first, "hyper": hyper, "nsteps": nsteps, "settle_s": settle_s,
+          "predicted_schedule": predicted, "schedule": actual,
+          "schedule_matches": actual == predicted, "state_wire_bytes": wire, "windows": windows}
+
+
+def _close_window(window: dict, before: dict, after: dict) -> dict:
+  n = len(window["step_s"])
+  out = dict(window, steps=n)
+  for k in before:
+    out[f"{k}tx_bytes"] = after[k][0] - before[k][0]
+    out[f"{k}rx_bytes"] = after[k][1] - before[k][1]
+    out[f"{k}tx_bytes_per_step"] = out[f"{k}tx_bytes"] / n
+  return out
+
+
 def _rank(args):
   import jax
 
@@ -305,6 +437,10 @@ def _rank(args):
     if "onebit" in modes:
       results["modes"]["onebit_warmup"] = out["warmup"]
     results["modes"]["onebit_compression"] = out["compression"]
+  if "zero_one" in modes:
+    hyper = dict(var_freeze_step=args.zo_freeze, var_update_scaler=args.zo_scaler,
+                 local_steps=args.zo_local_steps, local_step_scaler=args.zo_local_scaler)
+    results["zero_one"] = _time_zero_one(bench, flat, "data", hyper, args.zo_steps, args.settle)
   if "hier" in modes:
     out = _time_onebit(bench, mesh2, hier_axis, time_warmup=False)
     results["modes"]["hier_compression"] = dict(out["compression"],
@@ -527,7 +663,17 @@ def main(argv=None):
   rk.add_argument("--repeats", type=int, required=True)
   rk.add_argument("--modes", default="adam,onebit",
                   help="comma list of adam, onebit (warmup + compression), onebit_compression "
-                       "(compression only), hier (hierarchical 1-bit Adam, needs --mesh)")
+                       "(compression only), hier (hierarchical 1-bit Adam, needs --mesh), "
+                       "zero_one (0/1 Adam, every phase)")
+  d = ZERO_ONE_DEFAULTS
+  rk.add_argument("--zo-freeze", type=int, default=d["var_freeze_step"])
+  rk.add_argument("--zo-scaler", type=int, default=d["var_update_scaler"])
+  rk.add_argument("--zo-local-steps", type=int, default=d["local_steps"])
+  rk.add_argument("--zo-local-scaler", type=int, default=d["local_step_scaler"])
+  rk.add_argument("--zo-steps", type=int, default=ZERO_ONE_STEPS)
+  rk.add_argument("--settle", type=float, default=0.3,
+                  help="seconds the 0/1 Adam run waits (untimed) before reading the counters at "
+                       "a change of phase")
   rk.add_argument("--mesh", default=None,
                   help="NODESxLOCAL: also a 2-D ('node', 'local') mesh (adam then reduces over it)")
   rk.add_argument("--profile", action="store_true", help="also time the collectives alone")

@@ -24,6 +24,17 @@ minutes. What it does:
    each rank's interface (tx_bytes), not from a formula.
 4. Measures the compute alone: the same 4 ranks, run at the same time on the same
    cores but each on its own (1-device mesh, so no collective at all).
+   0/1 Adam (``--modes`` with zero_one, the default) runs on its real schedule
+   (zero_one_adam with ``--zo-freeze`` 40, ``--zo-scaler`` 4, ``--zo-local-steps``
+   8, ``--zo-local-scaler`` 4; ``--zo-steps`` 72): variance steps (float32
+   all-reduce), compressed steps (1-bit gradient), then after the freeze local
+   steps (no collective) and syncs (1-bit mean of the accumulated progress).
+   Every step is timed; its phase is read from the state (as zero_one_phase
+   does) and checked against the schedule; the interface counters are read at
+   each change of phase, after a short untimed pause (``--settle``) so that a
+   window's bytes are its own. Per phase: s/step, ratio to Adam, bytes against
+   allreduce_wire_bytes / compressed_wire_bytes / 0, and whole-run averages of
+   stated schedules (their phase counts from the optimizer's own schedule).
 5. Prints and saves a table (benchmarks/results/comm_throughput.md) and a plot
    (benchmarks/results/comm_throughput.png): throughput ratio 1-bit/Adam, bytes
    per step measured and predicted, compute time, and the alpha-beta model's
@@ -74,6 +85,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _comm_worker  # noqa: E402  (the rank's code; its 0/1 Adam defaults and schedule)
 import _netns  # noqa: E402  (benchmarks/_netns.py)
 import _provenance  # noqa: E402
 
@@ -103,9 +115,22 @@ def _parse_args(argv=None):
   p.add_argument("--loopback", action="store_true", help="skip namespaces: plain loopback")
   p.add_argument("--profile", action="store_true",
                  help="also time the collectives of a step on their own (adds ~1 min per rate)")
-  p.add_argument("--modes", default="adam,onebit",
-                 help="what the ranks train: adam, onebit (warmup then compression) or both "
-                      "(default adam,onebit)")
+  p.add_argument("--modes", default="adam,onebit,zero_one",
+                 help="what the ranks train: adam, onebit (warmup then compression), zero_one "
+                      "(0/1 Adam, every phase) (default adam,onebit,zero_one)")
+  zo = _comm_worker.ZERO_ONE_DEFAULTS
+  p.add_argument("--zo-freeze", type=int, default=zo["var_freeze_step"],
+                 help="0/1 Adam's var_freeze_step (default %(default)s)")
+  p.add_argument("--zo-scaler", type=int, default=zo["var_update_scaler"],
+                 help="0/1 Adam's var_update_scaler (default %(default)s)")
+  p.add_argument("--zo-local-steps", type=int, default=zo["local_steps"],
+                 help="0/1 Adam's local_steps H (default %(default)s)")
+  p.add_argument("--zo-local-scaler", type=int, default=zo["local_step_scaler"],
+                 help="0/1 Adam's local_step_scaler (default %(default)s)")
+  p.add_argument("--zo-steps", type=int, default=_comm_worker.ZERO_ONE_STEPS,
+                 help="steps of the 0/1 Adam run, step 1 untimed (default %(default)s)")
+  p.add_argument("--settle", type=float, default=0.3,
+                 help="untimed pause (s) before the counters are read at a change of 0/1 phase")
   p.add_argument("--hier", action="store_true",
                  help="instead: the hierarchical case, --nodes namespaces of ranks/nodes ranks each, "
                       "only the links between nodes shaped; writes comm_throughput_hier.*")
@@ -177,6 +202,11 @@ def _worker_cmd(args, rank: int, num_ranks: int, coordinator: str | None, iface:
          "--iface", iface, "--vocab", str(args.vocab), "--dim", str(args.dim),
          "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
          "--repeats", str(args.repeats), "--modes", modes or args.modes]
+  if "zero_one" in (modes or args.modes).split(","):
+    cmd += ["--zo-freeze", str(args.zo_freeze), "--zo-scaler", str(args.zo_scaler),
+            "--zo-local-steps", str(args.zo_local_steps), "--zo-local-scaler",
+            str(args.zo_local_scaler), "--zo-steps", str(args.zo_steps),
+            "--settle", str(args.settle)]
   if mesh:
     cmd += ["--mesh", mesh]
   if coordinator:
@@ -278,6 +308,226 @@ def _uptime() -> str:
     return f"load average: {la[0]:.2f}, {la[1]:.2f}, {la[2]:.2f}"
 
 
+# --- 0/1 Adam by phase ----------------------------------------------------------------
+
+PHASES = (("v", "variance"), ("c", "compressed"), ("l", "local"), ("s", "sync"))
+PHASE_WHAT = {"variance": "float32 all-reduce of the gradient, Adam's m and v",
+              "compressed": "1-bit mean of the gradient (v fixed)",
+              "local": "own Adam step on this rank's copy, no collective",
+              "sync": "1-bit mean of the accumulated progress"}
+
+
+def _quantile(xs, q):
+  xs = sorted(xs)
+  if not xs:
+    return float("nan")
+  k = (len(xs) - 1) * q
+  lo = int(k)
+  hi = min(lo + 1, len(xs) - 1)
+  return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _zero_one_summary(results: list[dict], bytes_divisor: float = 1.0) -> dict | None:
+  """Per phase: rank 0's step times (median, quartiles), bytes per step (mean over ranks).
+
+  Bytes per rank per step of a phase = the interface counters' change over the
+  windows of that phase (read after the untimed pause at each change of phase)
+  / the steps in them.
+  """
+  if "zero_one" not in results[0]:
+    return None
+  z0 = results[0]["zero_one"]
+  out = {"hyper": z0["hyper"], "nsteps": z0["nsteps"], "settle_s": z0["settle_s"],
+         "schedule": z0["schedule"], "predicted_schedule": z0["predicted_schedule"],
+         "schedule_matches": all(r["zero_one"]["schedule_matches"] for r in results)
+         and len({r["zero_one"]["schedule"] for r in results}) == 1,
+         "first_step_s": z0["first_step_s"], "phases": {}}
+  for code, name in PHASES:
+    wins0 = [w for w in z0["windows"] if w["phase"] == code]
+    times = [t for w in wins0 for t in w["step_s"]]
+    if not times:
+      continue
+    per_rank = {}
+    for key in ("tx_bytes", "rx_bytes", "lo_tx_bytes"):
+      per_rank[key] = []
+      for r in results:
+        wins = [w for w in r["zero_one"]["windows"] if w["phase"] == code]
+        per_rank[key].append(sum(w[key] for w in wins) / sum(w["steps"] for w in wins)
+                             / bytes_divisor)
+    # The optimizer's own count for the steps of this phase (rank 0; step 1 included).
+    wire = [b for b, ph in zip(z0["state_wire_bytes"], z0["schedule"]) if ph == code]
+    out["phases"][name] = {
+        "steps": len(times), "windows": len(wins0), "step_s": _median(times),
+        "mean_s": sum(times) / len(times), "q25_s": _quantile(times, 0.25),
+        "q75_s": _quantile(times, 0.75),
+        "tx_bytes": sum(per_rank["tx_bytes"]) / len(results), "tx_bytes_ranks": per_rank["tx_bytes"],
+        "rx_bytes": sum(per_rank["rx_bytes"]) / len(results),
+        "lo_tx_bytes": sum(per_rank["lo_tx_bytes"]) / len(results),
+        "state_wire_bytes": _median(wire) if wire else None}
+  return out
+
+
+def _zero_one_predicted(num_params: int, leaf_shapes: list, n: int) -> dict:
+  """Bytes each rank sends per step of each phase (the optimizer's layout, core v3).
+
+  variance: allreduce_wire_bytes(parameters, n) (one float32 tuple all-reduce of
+  the unpadded tree); compressed and sync: compressed_wire_bytes(padded, n,
+  S + exact_chunk) = 2 (n-1) row_bytes (the same uint8 messages as 1-bit
+  Adam's compression phase); local: 0.
+  """
+  import onebit_optax
+  layout = _layout(leaf_shapes, n)
+  onebit = onebit_optax.compressed_wire_bytes(layout.bits.padded, n,
+                                              layout.segments + layout.exact_chunk)
+  assert abs(onebit - 2 * (n - 1) * layout.row_bytes) < 1e-6, (onebit, layout.row_bytes)
+  return {"variance": onebit_optax.allreduce_wire_bytes(num_params, n), "compressed": onebit,
+          "local": 0.0, "sync": onebit}
+
+
+# Whole-run schedules whose averages are reported (phase counts from the optimizer's
+# own schedule, _comm_worker.phase_schedule). The last one (no local steps) takes
+# its sync time from the measured run's sync steps (the same 1-bit exchange).
+ZERO_ONE_SCHEDULES = (
+    ("DeepSpeed-style: var_freeze_step 1000, var_update_scaler 16, local_steps 16, "
+     "local_step_scaler 1000", 10_000,
+     dict(var_freeze_step=1000, var_update_scaler=16, local_steps=16, local_step_scaler=1000)),
+    ("zero_one_adam's docstring example: var_freeze_step 500, local_steps 16 (scalers 16, 32)",
+     10_000, dict(var_freeze_step=500, local_steps=16)),
+    ("no local steps: var_freeze_step 1000, var_update_scaler 16 (a sync every step after "
+     "the freeze)", 10_000, dict(var_freeze_step=1000, var_update_scaler=16)),
+)
+
+
+def _schedule_rows(run: dict, pred: dict, schedules) -> list[dict]:
+  """Each schedule's phase counts and its mean s/step from this run's per-phase medians."""
+  ph = run["zero_one"]["phases"]
+  t_adam = run["summary"]["adam"]["step_s"]
+  rows = []
+  for label, nsteps, hyper, counts in schedules:
+    missing = [p for p, c in counts.items() if c and p not in ph]
+    if missing:
+      rows.append({"label": label, "nsteps": nsteps, "counts": counts, "missing": missing})
+      continue
+    t = sum(c * ph[p]["step_s"] for p, c in counts.items() if c) / nsteps
+    b_meas = sum(c * ph[p]["tx_bytes"] for p, c in counts.items() if c) / nsteps
+    b_pred = sum(c * pred[p] for p, c in counts.items() if c) / nsteps
+    rows.append({"label": label, "nsteps": nsteps, "hyper": hyper, "counts": counts,
+                 "mean_step_s": t, "steps_per_s": 1 / t, "vs_adam": t_adam / t,
+                 "tx_bytes_per_step": b_meas, "predicted_bytes_per_step": b_pred})
+  return rows
+
+
+def _phase_counts(schedule: str) -> dict:
+  return {name: schedule.count(code) for code, name in PHASES}
+
+
+def _zero_one_schedules(run_schedule: dict) -> list:
+  """(label, steps, hyper, counts): the timed run's own schedule, then ZERO_ONE_SCHEDULES."""
+  out = [("this run's schedule (steps 1-{}, as timed: {})".format(
+      run_schedule["nsteps"], ", ".join(f"{k} {v}" for k, v in run_schedule["hyper"].items())),
+      run_schedule["nsteps"], run_schedule["hyper"], _phase_counts(run_schedule["schedule"]))]
+  for label, nsteps, hyper in ZERO_ONE_SCHEDULES:
+    out.append((label, nsteps, hyper, _phase_counts(_comm_worker.phase_schedule(nsteps, **hyper))))
+  return out
+
+
+def _zero_one_lines(run: dict, compute_zo: dict | None, pred: dict, schedules: list) -> list[str]:
+  z, s = run["zero_one"], run["summary"]
+  t_adam = s["adam"]["step_s"]
+  hyper = ", ".join(f"{k}={v}" for k, v in z["hyper"].items())
+  sched = z["schedule"]
+  lines = [
+      f"### 0/1 Adam by phase ({run['short_label']})", "",
+      f"`zero_one_adam(1e-3, axis_name='data', {hyper})`, {z['nsteps']} steps on its real "
+      f"schedule; step 1 compiles and is not timed (first step {z['first_step_s']:.1f} s). "
+      "The phase of every step, as the state reports it (v variance, c compressed, l local, "
+      f"s sync): `{sched}` "
+      f"({'the same on every rank and as predicted' if z['schedule_matches'] else '**NOT as predicted**: ' + z['predicted_schedule']}). "
+      "Consecutive steps of one phase form a window; at each change of phase the ranks wait "
+      f"{z['settle_s']} s (untimed) before the interface counters are read, so each window's "
+      "bytes are its own. Bytes per rank per step: tx_bytes of eth0 over a phase's windows / "
+      "its steps, mean over the ranks (they include TCP acknowledgements of what the rank "
+      "received and the jax.distributed coordinator's traffic). Times: rank 0's steps, "
+      "median and quartiles. Compute alone: the same schedule with each rank on its own "
+      "1-device mesh, all at once (no collective; the 1-device exchange still packs and "
+      "unpacks the signs).", "",
+      "| phase | what moves | steps timed (windows) | median s/step | q25-q75 | steps/s | "
+      "vs Adam | compute alone s/step | bytes sent/rank/step (measured) | predicted | "
+      "optimizer's wire_bytes | measured/predicted |",
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for name, x in z["phases"].items():
+    c = (compute_zo or {}).get("phases", {}).get(name)
+    ratio = f"{x['tx_bytes'] / pred[name]:.3f}" if pred[name] else "-"
+    wire = x["state_wire_bytes"]
+    lines.append(
+        f"| {name} | {PHASE_WHAT[name]} | {x['steps']} ({x['windows']}) | {x['step_s']:.3f} | "
+        f"{x['q25_s']:.3f}-{x['q75_s']:.3f} | {1 / x['step_s']:.2f} | "
+        f"{t_adam / x['step_s']:.2f}x | {c['step_s'] if c else float('nan'):.3f} | "
+        f"{_fmt_bytes(x['tx_bytes'])} | {_fmt_bytes(pred[name])} | "
+        f"{_fmt_bytes(wire) if wire is not None else '-'} | {ratio} |")
+  lines += ["", f"Adam in the same run: {t_adam:.3f} s/step ({1 / t_adam:.2f} steps/s); "
+            f"1-bit Adam's compression phase {s['onebit_compression']['step_s']:.3f} s/step."
+            if "onebit_compression" in s else "", ""]
+  rows = _schedule_rows(run, pred, schedules)
+  run["zero_one"]["schedules"] = rows
+  lines += [
+      "Whole-run averages: the phase counts of a schedule (from the optimizer's own "
+      "schedule, run on a 2-element problem) times this run's median s/step of each phase, "
+      "over the run's steps (the first step's compilation and any evaluation left out).", "",
+      "| schedule | steps | variance | compressed | local | sync | mean s/step | steps/s | "
+      "vs Adam | bytes/rank/step (measured per phase) | predicted |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    counts = " | ".join(str(r["counts"].get(name, 0)) for _, name in PHASES)
+    if "missing" in r:
+      lines.append(f"| {r['label']} | {r['nsteps']:,} | {counts} | not measured: "
+                   f"{', '.join(r['missing'])} | | | | |")
+      continue
+    lines.append(f"| {r['label']} | {r['nsteps']:,} | {counts} | {r['mean_step_s']:.3f} | "
+                 f"{r['steps_per_s']:.2f} | {r['vs_adam']:.2f}x | "
+                 f"{_fmt_bytes(r['tx_bytes_per_step'])} | "
+                 f"{_fmt_bytes(r['predicted_bytes_per_step'])} |")
+  lines += ["", "The last schedule's syncs are timed here with local steps (local_steps="
+            f"{z['hyper'].get('local_steps')}); without local steps the sync is the same 1-bit "
+            "exchange, of one step's progress.", ""]
+  return lines
+
+
+def _print_zero_one(z: dict | None):
+  if not z:
+    return
+  for name, x in z["phases"].items():
+    print(f"    0/1 Adam {name:19s} {x['step_s']:.3f} s/step ({x['steps']} steps), "
+          f"{_fmt_bytes(x['tx_bytes'])} sent/rank/step", flush=True)
+  if not z["schedule_matches"]:
+    print(f"    0/1 Adam schedule NOT as predicted: {z['schedule']}", flush=True)
+
+
+def _zero_one_goal_lines(run: dict, n: int) -> list[str]:
+  """The issue's 0/1 Adam lines: local steps move no bytes; steps/s of each phase."""
+  z = run.get("zero_one")
+  if not z or "local" not in z["phases"]:
+    return []
+  ph, t_adam = z["phases"], run["summary"]["adam"]["step_s"]
+  local = ph["local"]
+  ref = ph.get("sync", ph.get("compressed"))
+  ok = ref is not None and local["tx_bytes"] < 0.01 * ref["tx_bytes"]
+  out = [f"- 0/1 Adam, 1 Gbit/s, {n} ranks, steps/s by phase (x Adam): " + ", ".join(
+      f"{name} {1 / x['step_s']:.2f} ({t_adam / x['step_s']:.2f}x)" for name, x in ph.items()) + "."]
+  out.append(
+      f"- 0/1 Adam's local steps move no bytes: {_fmt_bytes(local['tx_bytes'])} sent per rank "
+      f"per local step on the links (a sync: {_fmt_bytes(ref['tx_bytes']) if ref else '?'}; "
+      f"the rest is background: acknowledgements, the coordinator): "
+      f"**{'PASS' if ok else 'FAIL'}** (< 1% of a sync's).")
+  rows = z.get("schedules") or []
+  if len(rows) > 1 and "vs_adam" in rows[1]:
+    out.append(f"- 0/1 Adam over a whole run ({rows[1]['label']}, {rows[1]['nsteps']:,} "
+               f"steps): {rows[1]['vs_adam']:.2f}x Adam's throughput.")
+  return out
+
+
 # --- the report --------------------------------------------------------------------
 
 def _fmt_bytes(b: float) -> str:
@@ -288,8 +538,9 @@ def _fmt_bytes(b: float) -> str:
 
 
 def _report(args, runs: list[dict], compute: dict, num_params: int, leaf_shapes: list,
-            header: list[str]) -> list[str]:
+            header: list[str], zo_schedules: list | None = None) -> list[str]:
   n = args.ranks
+  zo_pred = _zero_one_predicted(num_params, leaf_shapes, n)
   pred = _predicted_bytes(num_params, leaf_shapes, n)
   layout = _layout(leaf_shapes, n)
   tc = compute["summary"]
@@ -395,6 +646,8 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, leaf_shapes:
           "| operation | s |",
           "|---|---:|",
       ] + [f"| {k} | {v:.3f} |" for k, v in run["profile"].items()] + [""]
+    if run.get("zero_one"):
+      lines += _zero_one_lines(run, compute.get("zero_one"), zo_pred, zo_schedules or [])
   return lines
 
 
@@ -472,10 +725,11 @@ def main(argv=None):
     print(f"[{time.time() - t0:5.0f}s] compute alone: {n} ranks without communication", flush=True)
     local = _run_ranks([_worker_cmd(args, r, 1, None, "lo") for r in range(n)],
                        workdir, args.timeout, "compute")
-    compute = {"summary": _summarize(local)}
+    compute = {"summary": _summarize(local), "zero_one": _zero_one_summary(local)}
     num_params, leaf_shapes = local[0]["num_params"], local[0]["leaf_shapes"]
     for mode in compute["summary"]:
       print(f"    {LABELS[mode]:28s} {compute['summary'][mode]['step_s']:.3f} s/step", flush=True)
+    _print_zero_one(compute["zero_one"])
 
     for rate in (rates if not reason else ["loopback"]):
       load = _uptime().split("load average:")[-1].strip()
@@ -489,7 +743,8 @@ def main(argv=None):
         runs.append({"label": "Loopback, no namespaces (NOT bandwidth-limited)",
                      "short_label": "loopback", "summary": summary, "bandwidth_Bps": bw["goodput_Bps"],
                      "rtt_s": bw["rtt_s"], "load": load, "num_ranks": n, "num_params": num_params,
-                     "profile": results[0].get("profile")})
+                     "profile": results[0].get("profile"),
+                     "zero_one": _zero_one_summary(results, bytes_divisor=n)})
         continue
       with _netns.Cluster(n, rate) as cluster:
         print(f"[{time.time() - t0:5.0f}s] {rate}: namespaces {cluster.prefix}-*, measuring the link",
@@ -506,10 +761,12 @@ def main(argv=None):
       for mode in summary:
         print(f"    {LABELS[mode]:28s} {summary[mode]['step_s']:.3f} s/step, "
               f"{_fmt_bytes(summary[mode]['tx_bytes'])} sent/rank/step", flush=True)
+      zero_one = _zero_one_summary(results)
+      _print_zero_one(zero_one)
       runs.append({"label": f"{n} ranks, {rate} links (tc tbf, network namespaces)",
                    "short_label": rate, "summary": summary, "bandwidth_Bps": bw["goodput_Bps"],
                    "rtt_s": bw["rtt_s"], "load": load, "num_ranks": n, "num_params": num_params,
-                   "profile": results[0].get("profile")})
+                   "profile": results[0].get("profile"), "zero_one": zero_one})
   finally:
     _kill_children()
     shutil.rmtree(workdir, ignore_errors=True)
@@ -521,7 +778,8 @@ def main(argv=None):
   import optax
   import onebit_optax
   header = [
-      f"# Communication benchmark: Adam vs 1-bit Adam, {n} CPU ranks",
+      f"# Communication benchmark: Adam vs 1-bit Adam"
+      f"{' vs 0/1 Adam' if any(r.get('zero_one') for r in runs) else ''}, {n} CPU ranks",
       "",
       f"Command: `python benchmarks/comm_throughput.py {shlex.join(_argv(argv))}`"
       .replace("  ", " ").rstrip() + f" (took {time.time() - t0:.0f} s).",
@@ -534,7 +792,9 @@ def main(argv=None):
       f"`uptime` at start: {start_load}",
       f"`uptime` at end: {end_load}",
   ] + _load_note(start_load, end_load, runs, args.note)
-  lines = _report(args, runs, compute, num_params, leaf_shapes, header)
+  zo_runs = [r["zero_one"] for r in runs if r.get("zero_one")]
+  zo_schedules = _zero_one_schedules(zo_runs[0]) if zo_runs else []
+  lines = _report(args, runs, compute, num_params, leaf_shapes, header, zo_schedules)
   goal = [r for r in runs if r["short_label"] == "1gbit"]
   if goal:
     lines += ["## Against the goal", ""]
@@ -552,6 +812,7 @@ def main(argv=None):
       lines.append(
           f"- {LABELS['onebit_warmup']}, 1 Gbit/s, {n} ranks: {w:.2f}x Adam's throughput "
           f"(target: >= 0.95x): **{'PASS' if w >= 0.95 else 'FAIL'}**.")
+    lines += _zero_one_goal_lines(goal[0], n)
     lines.append("")
   out_dir = Path(args.out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -561,7 +822,9 @@ def main(argv=None):
   (out_dir / f"{stem}.md").write_text(text + "\n")
   (out_dir / f"{stem}.json").write_text(json.dumps(
       {"runs": runs, "compute": compute, "args": vars(args), "commit": _git_commit(),
-       "load_start": start_load, "load_end": end_load}, indent=1, default=str))
+       "load_start": start_load, "load_end": end_load,
+       "zero_one_predicted_bytes": _zero_one_predicted(num_params, leaf_shapes, n)
+       if zo_runs else None}, indent=1, default=str))
   print(f"wrote {out_dir / (stem + '.md')}")
   _plot(runs, out_dir / f"{stem}.png")
 
