@@ -39,6 +39,8 @@ from onebit_optax._sharding import state_partition_specs
 from onebit_optax._status import assert_replicas_identical
 from onebit_optax._status import replicas_identical
 from onebit_optax._status import status
+from onebit_optax._zero_one_status import ZeroOneStatus
+from onebit_optax._zero_one_status import zero_one_status
 from onebit_optax._zero_one_adam import scale_by_zero_one_adam
 from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 from onebit_optax._zero_one_adam import zero_one_adam
@@ -98,4 +100,6 @@ __all__ = (
     "zero_one_move_state",
     "zero_one_partition_specs",
     "zero_one_phase",
+    "zero_one_status",
+    "ZeroOneStatus",
 )

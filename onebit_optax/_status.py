@@ -318,7 +318,7 @@ _FIELDS = ("count", "frozen", "freeze_step", "variance_ratio", "skipped_steps", 
 
 
 def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params: Any = None,
-           previous: Optional[Status] = None) -> Status:
+           previous: Optional[Status] = None, var_freeze_step: Optional[int] = None):
   r"""A one-call summary of a 1-bit Adam state for logging: phase, schedule, bytes, and why not.
 
   Reads the state on the host (call it outside ``jit``, every few hundred steps
@@ -349,9 +349,12 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
       bytes are exact without it.
     previous: the status of an earlier call: the notes then say how many of the
       steps since were skipped (a run that diverged skips every step).
+    var_freeze_step: for a 0/1 Adam state only, the ``var_freeze_step`` of
+      :func:`zero_one_adam` (see :func:`zero_one_status`).
 
   Returns:
-    A :class:`Status` (``print`` it, or log ``status._asdict()``).
+    A :class:`Status` (``print`` it, or log ``status._asdict()``); for a 0/1
+    Adam state, the :class:`ZeroOneStatus` of :func:`zero_one_status`.
 
   Example:
     >>> import jax.numpy as jnp, onebit_optax
@@ -363,11 +366,16 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
   """
   found = _find(opt_state, ScaleByOnebitAdamState)
   if not found and _find(opt_state, ScaleByZeroOneAdamState):
-    raise ValueError(
-        "status: this is a 0/1 Adam state, which status() does not summarise yet: "
-        "onebit_optax.zero_one_phase(state) names the last step's kind (variance, compressed, "
-        "local, sync), and the state's count, wire_bytes and skipped_steps fields hold the "
-        "step, the bytes the last step sent and the skipped steps.")
+    if freeze is not None or b2 is not None or previous is not None:
+      raise ValueError(
+          "status: this is a 0/1 Adam state: freeze=, b2= and previous= are 1-bit Adam's; "
+          "pass var_freeze_step= (and params=) instead")
+    from onebit_optax import _zero_one_status  # pylint: disable=g-import-not-at-top
+    return _zero_one_status.zero_one_status(opt_state, var_freeze_step=var_freeze_step,
+                                            params=params)
+  if var_freeze_step is not None:
+    raise ValueError("status: var_freeze_step= is for a 0/1 Adam state; this state holds "
+                     "1-bit Adam (pass freeze= and b2=)")
   if len(found) != 1:
     raise ValueError(
         f"status: expected exactly one 1-bit Adam state inside the optimizer state, found "

@@ -43,6 +43,7 @@ API_SECTIONS = (
     ("_freeze", "Freeze policies"),
     ("_accessors", "Reading the state"),
     ("_status", "Logging and replica checks"),
+    ("_zero_one_status", "Logging and replica checks"),
     ("_sharding", "shard_map helpers"),
     ("_accumulate", "Accumulation and clipping"),
     ("_partition", "Frozen layers and partitions"),
