@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
+from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 from onebit_optax import _accessors
 from onebit_optax import _ckpt_move
 from onebit_optax import _config
@@ -70,11 +71,25 @@ def _is_state(x) -> bool:
   return isinstance(x, ScaleByOnebitAdamState)
 
 
+def _zero_one_inside(tree) -> bool:
+  kind = ScaleByZeroOneAdamState
+  return any(isinstance(x, kind)
+             for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind)))
+
+
 def _find(opt_state) -> tuple[tuple, ScaleByOnebitAdamState]:
   """Key path and value of the single 1-bit Adam state inside ``opt_state``."""
   found = [(path, node) for path, node in
            jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[0]
            if _is_state(node)]
+  if not found and _zero_one_inside(opt_state):
+    raise ValueError(
+        "save_checkpoint / restore_checkpoint / abstract_state take a 1-bit Adam state; this is "
+        "a 0/1 Adam state. Checkpoint it with Orbax directly: save {'params': params, "
+        "'opt_state': opt_state}, restore onto the target {'params': ..., 'opt_state': "
+        "abstract_state(tx, params, mesh)} (bit for bit), and move it onto "
+        "another device count with zero_one_move_state (see docs/guides/checkpointing.md, "
+        "'0/1 Adam').")
   if len(found) != 1:
     raise ValueError(
         f"Expected exactly one 1-bit Adam state inside the optimizer state, found "
