@@ -468,7 +468,21 @@ def _zero_one_lines(run: dict, compute_zo: dict | None, pred: dict, schedules: l
         f"{_fmt_bytes(wire) if wire is not None else '-'} | {ratio} |")
   lines += ["", f"Adam in the same run: {t_adam:.3f} s/step ({1 / t_adam:.2f} steps/s); "
             f"1-bit Adam's compression phase {s['onebit_compression']['step_s']:.3f} s/step."
-            if "onebit_compression" in s else "", ""]
+            if "onebit_compression" in s else ""]
+  cz = (compute_zo or {}).get("phases", {})
+  c_adam = c_onebit = None
+  if compute_zo and run.get("compute_summary"):
+    c_adam = run["compute_summary"]["adam"]["step_s"]
+    c_onebit = run["compute_summary"].get("onebit_compression", {}).get("step_s")
+  if cz and c_adam:
+    lines.append(
+        f"Compute alone, x Adam's compute alone ({c_adam:.3f} s): " + ", ".join(
+            f"{name} {x['step_s'] / c_adam:.1f}x" for name, x in cz.items())
+        + (f" (1-bit Adam's compression step: {c_onebit / c_adam:.1f}x)" if c_onebit else "")
+        + "; measured minus compute alone (the communication the step waits for): " + ", ".join(
+            f"{name} {z['phases'][name]['step_s'] - x['step_s']:+.3f} s"
+            for name, x in cz.items() if name in z["phases"]) + ".")
+  lines.append("")
   rows = _schedule_rows(run, pred, schedules)
   run["zero_one"]["schedules"] = rows
   lines += [
@@ -647,7 +661,9 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, leaf_shapes:
           "|---|---:|",
       ] + [f"| {k} | {v:.3f} |" for k, v in run["profile"].items()] + [""]
     if run.get("zero_one"):
+      run["compute_summary"] = tc
       lines += _zero_one_lines(run, compute.get("zero_one"), zo_pred, zo_schedules or [])
+      del run["compute_summary"]
   return lines
 
 
