@@ -12,14 +12,22 @@ the communication. The optimizers (``kind``):
 * ``naive``: "naive 1-bit Adam": the *gradient* goes through the
   error-compensated 1-bit ``compressed_mean`` after ``freeze_at`` full-precision
   steps and feeds a plain optax.adamw (the failure the paper explains);
-* ``no_feedback``: ``fixed`` with the error buffers zeroed after every update.
+* ``no_feedback``: ``fixed`` with the error buffers zeroed after every update;
+* ``zero_one``: ``onebit_optax.zero_one_adam`` with the options of ``run``'s
+  ``zero_one`` (``var_freeze_step``, ``var_update_scaler``, ``local_steps``,
+  ``local_step_scaler``). With local steps the gradient is taken at
+  ``zero_one_local_params`` (this device's copy) and the validation loss at
+  ``params``, the replicated point of the last sync.
 
 The learning rate and the fixed freeze step are *traced* inputs: every
 optimizer is built with a unit-peak schedule and its update is multiplied by
 the peak learning rate (exact, since both alias chains end in
 ``scale_by_learning_rate``, after the decoupled weight decay), so one
-compilation per (task, kind) serves the whole sweep. Only the public API of
-onebit_optax is used.
+compilation per (task, kind) serves the whole sweep. 0/1 Adam with local steps
+applies the learning rate inside the transformation (the sync divides by the
+sum of the learning rates): its schedule is the unit-peak one times the traced
+peak, and its update is not scaled again; one compilation per (task, kind,
+0/1 options). Only the public API of onebit_optax is used.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import onebit_optax
 
 AXIS = "data"
-KINDS = ("adamw", "onebit", "fixed", "naive", "no_feedback")
+KINDS = ("adamw", "onebit", "fixed", "naive", "no_feedback", "zero_one")
+# The options of a ``zero_one`` run that ``run`` accepts (zero_one_adam's names).
+ZERO_ONE_OPTIONS = ("var_freeze_step", "var_update_scaler", "local_steps", "local_step_scaler")
 PERIODIC_VAL = 128  # periodic evaluations use at most this many validation examples.
 
 
@@ -65,6 +75,11 @@ def _zero_error_feedback(opt_state):
     return s
   return jax.tree.map(zero, opt_state,
                       is_leaf=lambda s: isinstance(s, onebit_optax.ScaleByOnebitAdamState))
+
+
+def _find_zero_one_states(tree):
+  is_state = lambda s: isinstance(s, onebit_optax.ScaleByZeroOneAdamState)
+  return [s for s in jax.tree.leaves(tree, is_leaf=is_state) if is_state(s)]
 
 
 def _adam_nu_hat_l1(opt_state, b2: float):
@@ -105,22 +120,35 @@ class Runner:
 
   # --------------------------------------------------------------------------
 
-  def make_tx(self, kind: str, freeze_at=1):
-    """The optimizer of ``kind`` (peak learning rate 1; the runner scales its update)."""
+  def make_tx(self, kind: str, freeze_at=1, zero_one=None, lr=1.0):
+    """The optimizer of ``kind`` (peak learning rate 1; the runner scales its update).
+
+    ``zero_one`` with ``local_steps``: the schedule's peak is ``lr`` (the
+    transformation applies it; ``_train_step`` does not scale it again).
+    """
     kw = dict(b2=self.b2, weight_decay=self.task.weight_decay, mask=self.task.decay_mask)
     if kind in ("adamw", "naive"):
       return optax.adamw(self.schedule, **kw)
+    if kind == "zero_one":
+      options = dict(zero_one)
+      schedule = self.schedule
+      if options.get("local_steps") is not None:
+        schedule = lambda count: lr * self.schedule(count)
+      return onebit_optax.zero_one_adam(schedule, axis_name=AXIS, **kw, **options)
     if kind == "onebit":  # The default rule; never before the LR warmup is over.
       freeze = onebit_optax.variance_ratio_freeze(min_steps=self.task.warmup)
     else:
       freeze = freeze_at  # an int or a traced scalar: a fixed freeze step.
     return onebit_optax.onebit_adam(self.schedule, axis_name=AXIS, freeze=freeze, **kw)
 
-  def _init(self, kind: str, params):
-    tx = self.make_tx(kind)
+  def _init(self, kind: str, params, zero_one=None):
+    tx = self.make_tx(kind, zero_one=zero_one)
     if kind in self.replicated_kinds:
       opt_state = jax.device_put(tx.init(params), NamedSharding(self.mesh, P()))
       opt_specs = jax.tree.map(lambda _: P(), opt_state)
+    elif kind == "zero_one":
+      opt_state = onebit_optax.init_zero_one_sharded(tx, params, self.mesh, AXIS)
+      opt_specs = onebit_optax.zero_one_partition_specs(opt_state, AXIS)
     else:
       opt_state = onebit_optax.init_sharded(tx, params, self.mesh, AXIS)
       opt_specs = onebit_optax.state_partition_specs(opt_state, AXIS)
@@ -155,17 +183,20 @@ class Runner:
                      self.allreduce_bytes).astype(jnp.float32)
     return mean, we, se, wire
 
-  def _train_step(self, kind, params, carry, batch, lr, freeze_at):
+  def _train_step(self, kind, params, carry, batch, lr, freeze_at, zero_one=None):
     task = self.task
-    tx = self.make_tx(kind, freeze_at)
+    tx = self.make_tx(kind, freeze_at, zero_one=zero_one, lr=lr)
     step = carry["step"] + 1
 
     def loss_fn(p):
       total, count = task.loss_sums(p, batch)
       return total / count
 
-    # Local gradients: local_params keeps jax.grad from all-reducing them.
-    loss, grads = jax.value_and_grad(loss_fn)(onebit_optax.local_params(params, AXIS))
+    # Local gradients: local_params keeps jax.grad from all-reducing them (0/1
+    # Adam: this device's copy, the last sync's point plus its local steps).
+    at = (onebit_optax.zero_one_local_params(params, carry["opt"], AXIS) if kind == "zero_one"
+          else onebit_optax.local_params(params, AXIS))
+    loss, grads = jax.value_and_grad(loss_fn)(at)
     if task.clip:
       clip = onebit_optax.clip_by_global_norm(task.clip, axis_name=AXIS)
       grads, _ = clip.update(grads, clip.init(None))
@@ -182,6 +213,11 @@ class Runner:
           flat, carry, step, freeze_at)
       updates, new["opt"] = tx.update(unravel(mean), carry["opt"], params)
       metrics["frozen"] = step >= freeze_at
+    elif kind == "zero_one":
+      updates, new["opt"] = tx.update(grads, carry["opt"], params)
+      (state,) = _find_zero_one_states(new["opt"])
+      wire = state.wire_bytes.astype(jnp.float32)
+      metrics["frozen"] = state.count > zero_one["var_freeze_step"]
     else:
       updates, opt_state = tx.update(grads, carry["opt"], params)
       if kind == "no_feedback":
@@ -190,16 +226,18 @@ class Runner:
       wire = onebit_optax.wire_bytes(opt_state).astype(jnp.float32)
       metrics.update(ratio=onebit_optax.variance_ratio(opt_state).astype(jnp.float32),
                      frozen=onebit_optax.is_frozen(opt_state))
-    updates = jax.tree.map(lambda u: lr * u, updates)
+    if not (kind == "zero_one" and zero_one.get("local_steps") is not None):
+      updates = jax.tree.map(lambda u: lr * u, updates)  # (local steps: applied inside)
     params = optax.apply_updates(params, updates)
     metrics["wire"] = wire
     # The loss leaves per device (P(None, AXIS)) and is averaged on the host:
     # logging adds no collective to the step.
     return params, new, (loss[None], metrics)
 
-  def _chunk_fn(self, kind: str, specs):
-    if kind in self._chunks:
-      return self._chunks[kind]
+  def _chunk_fn(self, kind: str, specs, zero_one=None):
+    key = kind if zero_one is None else (kind, tuple(sorted(zero_one.items())))
+    if key in self._chunks:
+      return self._chunks[key]
     batch_specs = P(None, AXIS)
     metric_specs = dict(nu_l1=P(), ratio=P(), frozen=P(), wire=P())
 
@@ -211,12 +249,13 @@ class Runner:
     def chunk(params, carry, batches, lr, freeze_at):
       def body(state, batch):
         params, carry = state
-        params, carry, out = self._train_step(kind, params, carry, batch, lr, freeze_at)
+        params, carry, out = self._train_step(kind, params, carry, batch, lr, freeze_at,
+                                              zero_one)
         return (params, carry), out
       (params, carry), out = jax.lax.scan(body, (params, carry), batches)
       return params, carry, out
 
-    self._chunks[kind] = chunk
+    self._chunks[key] = chunk
     return chunk
 
   def _build_eval(self):
@@ -233,14 +272,23 @@ class Runner:
 
   # --------------------------------------------------------------------------
 
-  def run(self, kind: str, lr: float, seed: int, freeze_at: int = 1) -> dict:
-    """Trains ``task.steps`` steps; returns the curves and the final validation loss."""
+  def run(self, kind: str, lr: float, seed: int, freeze_at: int = 1, *,
+          zero_one: dict | None = None) -> dict:
+    """Trains ``task.steps`` steps; returns the curves and the final validation loss.
+
+    ``zero_one`` (kind ``zero_one`` only): zero_one_adam's options, keys of
+    ``ZERO_ONE_OPTIONS`` (``var_freeze_step`` required).
+    """
     assert kind in self.kinds, kind
+    assert (kind == "zero_one") == (zero_one is not None), (kind, zero_one)
+    if zero_one is not None:
+      zero_one = {k: zero_one[k] for k in ZERO_ONE_OPTIONS if k in zero_one}
+      assert "var_freeze_step" in zero_one, zero_one
     task, mesh = self.task, self.mesh
     wall0 = time.time()
     params = jax.device_put(task.init_params(jax.random.key(seed)), NamedSharding(mesh, P()))
-    carry, specs = self._init(kind, params)
-    chunk = self._chunk_fn(kind, specs)
+    carry, specs = self._init(kind, params, zero_one)
+    chunk = self._chunk_fn(kind, specs, zero_one)
     batch_sharding = NamedSharding(mesh, P(None, AXIS))
     global_batch = self.n * task.batch_per_device
     lr_arg, freeze_arg = jnp.float32(lr), jnp.int32(freeze_at)
@@ -264,12 +312,17 @@ class Runner:
       freeze_step = None
     elif kind == "naive":
       freeze_step = freeze_at
+    elif kind == "zero_one":
+      freeze_step = zero_one["var_freeze_step"] if frozen.any() else None
     else:
       freeze_step = int(onebit_optax.freeze_step(carry["opt"])) if frozen.any() else None
     if kind != "adamw":
       del rec["nu_l1"]
     if kind not in ("onebit", "fixed", "no_feedback"):
       del rec["ratio"]
-    return dict(rec, kind=kind, lr=lr, seed=seed, final_val=final,
-                total_bytes=float(np.sum(rec["wire"])), freeze_step=freeze_step,
-                wall_s=time.time() - wall0)
+    out = dict(rec, kind=kind, lr=lr, seed=seed, final_val=final,
+               total_bytes=float(np.sum(rec["wire"])), freeze_step=freeze_step,
+               wall_s=time.time() - wall0)
+    if zero_one is not None:
+      out["zero_one"] = zero_one
+    return out
