@@ -11,7 +11,21 @@ LABELS = dict(
     onebit="1-bit Adam, default freeze (frozen once)",
     zero_one="0/1 Adam, v refreshed (var_freeze_step = T)",
     onebit_restart="1-bit Adam, new state at the shift (remedy)",
+    adamw_noshift="control: AdamW, no shift (prose throughout)",
+    onebit_noshift="control: 1-bit Adam (default freeze), no shift",
 )
+MAIN = ("adamw", "onebit", "zero_one", "onebit_restart")
+
+
+def _base(kind):
+  """The AdamW run a kind is paired with."""
+  return "adamw_noshift" if kind.endswith("_noshift") else "adamw"
+
+
+def _post_shift_weight(b2, n_before, n_after):
+  """Share of the bias-corrected EMA's weight on the last ``n_after`` of ``n_before + n_after`` updates."""
+  n = n_before + n_after
+  return (1.0 - b2 ** n_after) / (1.0 - b2 ** n) if n else float("nan")
 GROUPS = ("embed", "pos", "head", "attn", "mlp", "vectors")
 STALE_MIN = 0.5  # percentage points: a change in the gap smaller than this is not called stale.
 
@@ -69,7 +83,7 @@ def _paired(results, kind, key, step, base="adamw"):
 
 def _window_gap(results, kind, key, lo, hi):
   """Per seed, the mean over the evaluations in (lo, hi] of the paired relative gap on ``key``."""
-  ref = {r["seed"]: r for r in _runs(results, "adamw")}
+  ref = {r["seed"]: r for r in _runs(results, _base(kind))}
   out = {}
   for r in _runs(results, kind):
     b = ref.get(r["seed"])
@@ -97,10 +111,11 @@ def summary(results) -> dict:
   half = T // 2
   out = {}
   for kind in _kinds(results):
-    if kind == "adamw":
+    if kind in ("adamw", "adamw_noshift"):
       continue
     before = _window_gap(results, kind, "val_prose", half // 2, half)
-    after = _window_gap(results, kind, "val_code", half + half // 2, T)
+    after = _window_gap(results, kind, "val_prose" if kind.endswith("_noshift") else "val_code",
+                        half + half // 2, T)
     delta = {s: after[s] - before[s] for s in after if s in before}
     out[kind] = dict(before=before, after=after, delta=delta,
                      before_ms=_mean_se(before.values()), after_ms=_mean_se(after.values()),
@@ -111,6 +126,11 @@ def summary(results) -> dict:
       d = {s: a[s] - b[s] for s in a if s in b}
       out[kind]["after_vs_onebit"] = d
       out[kind]["after_vs_onebit_ms"] = _mean_se(d.values())
+  if "onebit" in out and "onebit_noshift" in out:
+    a, b = out["onebit"]["delta"], out["onebit_noshift"]["delta"]
+    d = {s: a[s] - b[s] for s in a if s in b}
+    out["onebit"]["shift_attributable"] = d
+    out["onebit"]["shift_attributable_ms"] = _mean_se(d.values())
   return out
 
 
@@ -140,12 +160,28 @@ def _verdict(results, summ) -> list[str]:
          if stale else
          f"**No measurable staleness** at this scale: the change is below {STALE_MIN} points "
          "or within twice its standard error.") + "\n")
+  if "onebit_noshift" in summ and summ["onebit_noshift"]["delta"]:
+    c = summ["onebit_noshift"]
+    m_c, se_c, n_c = c["delta_ms"]
+    m_s, se_s, n_s = summ["onebit"].get("shift_attributable_ms", (float("nan"),) * 2 + (0,))
+    lines.append(
+        f"**Is it the shift, or time?** Without the shift (prose throughout, the control), "
+        f"1-bit Adam's gap to AdamW on prose goes from {_fmt(*c['before_ms'][:2], 2, True)} "
+        f"(steps ({half_q(results)}]) to {_fmt(*c['after_ms'][:2], 2, True)} (steps "
+        f"({after_q(results)}]): a change of {_pp(m_c, se_c)} points ({n_c} seeds). The part of "
+        f"the growth that the shift adds (same-seed change with the shift minus change without "
+        f"it): {_pp(m_s, se_s)} points ({n_s} seeds)"
+        + (", more than twice its standard error." if n_s > 1 and np.isfinite(se_s)
+           and m_s > 2 * se_s else
+           ", within twice its standard error: not distinguishable from the drift with time."
+           if n_s > 1 else ".") + "\n")
   for kind, name in (("zero_one", "0/1 Adam's refresh"), ("onebit_restart", "The restart remedy")):
     if kind not in summ or not summ[kind]["after"]:
       continue
     s = summ[kind]
     mv, sev, nv = s.get("after_vs_onebit_ms", (float("nan"),) * 2 + (0,))
     closes = np.isfinite(mv) and mv < 0 and (nv < 2 or not np.isfinite(sev) or -mv > 2 * sev)
+    worse = np.isfinite(mv) and mv > 0 and nv > 1 and np.isfinite(sev) and mv > 2 * sev
     lines.append(
         f"**{name}** ({LABELS[kind]}): gap {_fmt(*s['before_ms'][:2], 2, True)} before, "
         f"{_fmt(*s['after_ms'][:2], 2, True)} after (change {_pp(*s['delta_ms'][:2])} points); "
@@ -153,8 +189,10 @@ def _verdict(results, summ) -> list[str]:
         f"(negative: closer to or better than AdamW). "
         + (("It does better than the frozen variance after the shift"
             + (" (more than twice the standard error)." if nv > 1 else " (one seed)."))
-           if closes else ("No significant difference from the frozen variance after the shift."
-                           if nv > 1 else "Not better than the frozen variance (one seed)."))
+           if closes else "It does worse than the frozen variance after the shift (more than "
+           "twice the standard error)." if worse else
+           ("No significant difference from the frozen variance after the shift."
+            if nv > 1 else "Not better than the frozen variance (one seed)."))
         + "\n")
   return lines
 
@@ -196,9 +234,14 @@ def write(results, out: str) -> None:
        f"Commit {meta['git']}; jax {meta['jax']} (jaxlib {meta['jaxlib']}), optax {meta['optax']}, "
        f"onebit_optax {meta['onebit_optax']}, Python {meta['python']}; {meta['machine']} "
        "(shared with other jobs); started "
-       f"{meta['started']}; wall time so far {meta.get('wall_s', 0) / 60:.1f} min.  ",
+       f"{meta['started']}; wall time so far {meta.get('wall_s', 0) / 60:.1f} min (all invocations).  ",
        f"Load (`uptime`) at start: `{meta['uptime_start']}`; at the last write: "
        f"`{meta.get('uptime_end', '?')}`.  ",
+       *([f"Invocations (`--append` adds runs to the json): " + "; ".join(
+           f"`{i['command']}` at {i['git']}, started {i['started']}, "
+           f"{i.get('wall_s', 0) / 60:.1f} min, load `{i['uptime_start'].split('load average: ')[-1]}`"
+           f" -> `{i.get('uptime_end', '?').split('load average: ')[-1]}`"
+           for i in meta["invocations"]) + ".  "] if len(meta.get("invocations", [])) > 1 else []),
        f"Finished runs: {len(finished)} of {len(results['runs'])} started "
        f"({', '.join(f'{k}/{s}' for k, s in finished)}).\n",
        "## Setup\n",
@@ -237,23 +280,30 @@ def write(results, out: str) -> None:
         onebit_restart=f"the `onebit` run up to step {half}; there a new `onebit_adam` state "
         f"(same freeze rule, schedule continued: `lambda c: schedule(c + {half})`) from its "
         "parameters: a second full-precision warmup measures the new variance and freezes it "
-        "again. Public API only.")[kind])
+        "again. Public API only.",
+        adamw_noshift="the control: `adamw` with prose for all the steps (same seeds, same "
+        "first half).",
+        onebit_noshift="the control: `onebit` with prose for all the steps.")[kind])
   L.append("")
 
   # ---- freeze / refresh facts
   facts = []
   for r in results["runs"]:
     last = r["info"][-1] if r["info"] else {}
-    if r["kind"] == "onebit":
-      facts.append(f"onebit seed {r['seed']}: froze at step {last.get('freeze_step')}")
+    if r["kind"] in ("onebit", "onebit_noshift"):
+      facts.append(f"{r['kind']} seed {r['seed']}: froze at step {last.get('freeze_step')}")
     elif r["kind"] == "onebit_restart":
       facts.append(f"restart seed {r['seed']}: the new state froze {last.get('freeze_step')} "
                    f"steps after the shift (step {half + (last.get('freeze_step') or 0)})")
     elif r["kind"] == "zero_one":
       at_half = _at(r, "info", half) or {}
-      facts.append(f"0/1 seed {r['seed']}: {at_half.get('variance_updates')} variance steps by "
-                   f"the shift, {last.get('variance_updates')} by step {r['steps'][-1]} "
-                   f"(interval then {last.get('var_interval')})")
+      nb, na = at_half.get("variance_updates"), last.get("variance_updates")
+      share = (f"; the post-shift variance steps carry {100 * _post_shift_weight(cfg['b2'], nb, na - nb):.0f}% "
+               "of the weight of its bias-corrected v at the end (b2 EMA over variance steps)"
+               if nb is not None and na is not None else "")
+      facts.append(f"0/1 seed {r['seed']}: {nb} variance steps by "
+                   f"the shift, {na} by step {r['steps'][-1]} "
+                   f"(interval then {last.get('var_interval')}){share}")
   if facts:
     L.append("Freeze and refresh: " + "; ".join(facts) + ".\n")
 
@@ -292,7 +342,7 @@ def write(results, out: str) -> None:
         + " | final code | final prose (forgetting) |",
         "|---|---|---|---|" + "---|" * (len(_points(cfg)) + 2)]
   for kind in kinds:
-    if kind == "adamw":
+    if kind not in MAIN or kind == "adamw":
       continue
     s = summ[kind]
     cells = [_fmt(*s["before_ms"][:2], 2, True), _fmt(*s["after_ms"][:2], 2, True),
@@ -304,6 +354,18 @@ def write(results, out: str) -> None:
     cells.append(_fmt(*_mean_se(_paired(results, kind, "final_prose", None).values())[:2], 2,
                       True))
     L.append(f"| {LABELS[kind]} | " + " | ".join(cells) + " |")
+  if "onebit_noshift" in summ:
+    c = summ["onebit_noshift"]
+    L += ["", "Control (no shift, prose throughout; paired with AdamW without the shift): "
+          f"1-bit Adam's gap on prose {_fmt(*c['before_ms'][:2], 2, True)} in steps "
+          f"({half_q(results)}], {_fmt(*c['after_ms'][:2], 2, True)} in steps ({after_q(results)}]"
+          f", change {_pp(*c['delta_ms'][:2])} points; final prose "
+          + _fmt(*_mean_se(_paired(results, 'onebit_noshift', 'final_prose', None,
+                                   base='adamw_noshift').values())[:2], 2, True) + "."]
+    if "shift_attributable" in summ.get("onebit", {}):
+      L.append("Change with the shift minus change without it, per seed (points): " + ", ".join(
+          f"seed {k}: {v:+.2f}" for k, v in sorted(summ["onebit"]["shift_attributable"].items()))
+          + ".")
   per_seed = []
   for kind in kinds:
     if kind in summ:
@@ -342,9 +404,8 @@ def write(results, out: str) -> None:
         "row: how much AdamW's own variance moved from the shift to the end.\n",
         "| optimizer | " + " | ".join(f"{g} {half} / {T}" for g in GROUPS) + " |",
         "|---|" + "---|" * len(GROUPS)]
-  ref = {r["seed"]: r for r in _runs(results, "adamw")}
-
   def ratio(kind, g, step):
+    ref = {r["seed"]: r for r in _runs(results, _base(kind))}
     vals = []
     for r in _runs(results, kind):
       b = ref.get(r["seed"])
@@ -355,7 +416,7 @@ def write(results, out: str) -> None:
         vals.append(x[g] / y[g])
     return f"{np.mean(vals):.2f}" if vals else "—"
   for kind in kinds:
-    if kind == "adamw":
+    if kind in ("adamw", "adamw_noshift"):
       continue
     L.append(f"| {LABELS[kind]} | " + " | ".join(
         f"{ratio(kind, g, half)} / {ratio(kind, g, T)}" for g in GROUPS) + " |")
@@ -384,30 +445,30 @@ def _plot(results, path):
     return
   cfg = results["config"]
   half = cfg["steps"] // 2
-  colors = dict(adamw="k", onebit="tab:red", zero_one="tab:blue", onebit_restart="tab:green")
+  colors = dict(adamw="k", onebit="tab:red", zero_one="tab:blue", onebit_restart="tab:green",
+                adamw_noshift="gray", onebit_noshift="salmon")
+  styles = dict(onebit_restart="--", adamw_noshift=":", onebit_noshift=":")
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-  ref = {r["seed"]: r for r in _runs(results, "adamw")}
   for kind in _kinds(results):
+    ref = {r["seed"]: r for r in _runs(results, _base(kind))}
     runs = _runs(results, kind)
     for ax, key in zip(axes[:2], ("val_prose", "val_code")):
       for i, r in enumerate(runs):
         ax.plot(r["steps"], r[key], color=colors.get(kind), alpha=0.8, lw=1.2,
-                ls="--" if kind == "onebit_restart" else "-",
-                label=LABELS[kind] if i == 0 else None)
-    if kind == "adamw":
+                ls=styles.get(kind, "-"), label=LABELS[kind] if i == 0 else None)
+    if kind in ("adamw", "adamw_noshift"):
       continue
     for i, r in enumerate(runs):
       b = ref.get(r["seed"])
       if b is None:
         continue
       st = [s for s in r["steps"] if s in b["steps"] and s > 0]
-      gap = [100 * (_at(r, "val_prose" if s <= half else "val_code", s)
-                    / _at(b, "val_prose" if s <= half else "val_code", s) - 1) for s in st]
-      axes[2].plot(st, gap, color=colors.get(kind), alpha=0.8, lw=1.2,
-                   ls="--" if kind == "onebit_restart" else "-",
+      key = lambda s: ("val_prose" if s <= half or kind.endswith("_noshift") else "val_code")
+      gap = [100 * (_at(r, key(s), s) / _at(b, key(s), s) - 1) for s in st]
+      axes[2].plot(st, gap, color=colors.get(kind), alpha=0.8, lw=1.2, ls=styles.get(kind, "-"),
                    label=LABELS[kind] if i == 0 else None)
   titles = ("held-out loss, prose", "held-out loss, Python source",
-            "gap to AdamW on the training distribution (%)")
+            "gap to AdamW on the training distribution (%)\n(control: to AdamW without the shift)")
   for ax, title in zip(axes, titles):
     ax.axvline(half, color="gray", ls=":", lw=1)
     ax.set_title(title)

@@ -72,6 +72,9 @@ N, AXIS = 8, "data"
 B1, B2 = 0.9, 0.999
 CODE_BYTES = 2_000_000
 KINDS = ("adamw", "onebit", "zero_one", "onebit_restart")
+# The control: the same runs without the shift (prose all the way): does the gap
+# grow with time anyway?
+CONTROLS = ("adamw_noshift", "onebit_noshift")
 RESULTS = os.path.join(HERE, "results")
 
 
@@ -95,9 +98,9 @@ def corpora():
   return dict(prose=lm.split(lm.load_corpus("prose")), code=lm.split(load_code()))
 
 
-def train_corpus(step: int, steps: int) -> str:
-  """Steps 1..T/2 train on prose, T/2+1..T on Python source."""
-  return "prose" if step <= steps // 2 else "code"
+def train_corpus(step: int, steps: int, shift: bool = True) -> str:
+  """Steps 1..T/2 train on prose, T/2+1..T on Python source (without ``shift``: prose throughout)."""
+  return "prose" if step <= steps // 2 or not shift else "code"
 
 
 # ----------------------------------------------------------------------------
@@ -109,7 +112,12 @@ def schedule_of(cfg):
                                             cfg["lr"] * cfg["end_fraction"])
 
 
+def base_kind(kind: str) -> str:
+  return kind[: -len("_noshift")] if kind.endswith("_noshift") else kind
+
+
 def make_tx(kind: str, cfg, offset: int = 0):
+  kind = base_kind(kind)
   sched = schedule_of(cfg)
   if offset:
     sched = (lambda s, o: (lambda c: s(c + o)))(sched, offset)
@@ -135,7 +143,7 @@ def _find(tree, cls):
 
 def family(kind: str) -> str:
   return {"adamw": "adamw", "onebit": "onebit", "onebit_restart": "onebit",
-          "zero_one": "zero_one"}[kind]
+          "zero_one": "zero_one"}[base_kind(kind)]
 
 
 class Trainer:
@@ -234,9 +242,9 @@ class Trainer:
   def evaluate(self, params, which="periodic"):
     return {name: self._evaluate(params, v[which]) for name, v in self.val.items()}
 
-  def batches(self, seed, steps):
+  def batches(self, seed, steps, shift=True):
     gb = N * self.cfg["batch_per_device"]
-    per = [lm.train_batch(self.data[train_corpus(s, self.cfg["steps"])][0], s, seed, gb,
+    per = [lm.train_batch(self.data[train_corpus(s, self.cfg["steps"], shift)][0], s, seed, gb,
                           self.cfg["seq_len"]) for s in steps]
     shard = NamedSharding(self.mesh, P(None, AXIS))
     return tuple(jax.device_put(np.stack(leaf), shard) for leaf in zip(*per))
@@ -333,11 +341,12 @@ def run_one(trainer, kind, seed, results, save, branch=None):
       rec[key] = list(parent[key][: i + 1])
     tx, opt, specs = trainer.init_state(kind, params, offset=half)
     start, cum = half, rec["bytes"][-1]
-  chunk = trainer.chunk_fn(kind, tx, specs, key=(kind, start))
+  chunk = trainer.chunk_fn(kind, tx, specs, key=(base_kind(kind), start))
+  shift = not kind.endswith("_noshift")
   for s0 in range(start, T, E):
     steps = range(s0 + 1, min(s0 + E, T) + 1)
     params, opt, (loss, wire) = jax.block_until_ready(
-        chunk(params, opt, trainer.batches(seed, steps)))
+        chunk(params, opt, trainer.batches(seed, steps, shift)))
     cum += float(np.sum(np.asarray(wire, np.float64)))
     ev = trainer.evaluate(params)
     rec["steps"].append(steps[-1]); rec["val_prose"].append(ev["prose"])
@@ -371,7 +380,10 @@ def main(argv=None):
   parser.add_argument("--val-seqs", type=int, default=256)
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--var-update-scaler", type=int, default=16)
-  parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+  parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS + CONTROLS)
+  parser.add_argument("--append", action="store_true",
+                      help="add the runs (kind, seed) not yet done to the existing json (same "
+                      "configuration); each invocation is recorded")
   parser.add_argument("--out", default=os.path.join(RESULTS, "data_shift"),
                       help="path prefix of the .json/.md/.png")
   parser.add_argument("--report-only", action="store_true")
@@ -410,11 +422,30 @@ def main(argv=None):
                        for k, v in data.items()},
               stdlib=sysconfig.get_paths()["stdlib"],
               code_only_bytes=sorted(code_bytes - prose_bytes), quick=args.quick)
-  results = dict(config=cfg, meta=meta, runs=[])
   out = args.out + ("_quick" if args.quick and args.out.endswith("data_shift") else "")
+  invocation = {k: meta[k] for k in ("command", "git", "started", "uptime_start")}
+  if args.append:
+    with open(out + ".json") as f:
+      results = json.load(f)
+    old = {k: v for k, v in results["config"].items()}
+    if old != cfg:
+      raise SystemExit(f"--append: the configuration differs from {out}.json's: "
+                       f"{ {k: (old.get(k), v) for k, v in cfg.items() if old.get(k) != v} }")
+    results["runs"] = [r for r in results["runs"] if r["done"]]
+    results["meta"].setdefault("invocations", [
+        {k: results["meta"][k] for k in ("command", "git", "started", "uptime_start",
+                                         "uptime_end", "wall_s")}])
+    wall_before = sum(i["wall_s"] for i in results["meta"]["invocations"])
+  else:
+    results = dict(config=cfg, meta=dict(meta, invocations=[]), runs=[])
+    wall_before = 0.0
+  results["meta"]["invocations"].append(invocation)
+  done = {(r["kind"], r["seed"]) for r in results["runs"]}
 
   def save():
-    results["meta"].update(uptime_end=uptime(), wall_s=time.time() - wall0)
+    invocation.update(uptime_end=uptime(), wall_s=time.time() - wall0)
+    results["meta"].update(uptime_end=invocation["uptime_end"],
+                           wall_s=wall_before + invocation["wall_s"])
     with open(out + ".json.tmp", "w") as f:
       json.dump(results, f)
     os.replace(out + ".json.tmp", out + ".json")
@@ -423,6 +454,9 @@ def main(argv=None):
   for seed in args.seeds:
     shift_params = None
     for kind in args.kinds:
+      if (kind, seed) in done:
+        print(f"{kind} seed {seed}: done already")
+        continue
       if kind == "onebit_restart":
         parent = [r for r in results["runs"] if r["kind"] == "onebit" and r["seed"] == seed]
         if not parent or shift_params is None:
@@ -434,7 +468,11 @@ def main(argv=None):
         if kind == "onebit":
           shift_params = sp
       save()
-      _shift_report.write(results, out)
+      try:  # a report bug must not stop the runs: --report-only re-renders from the json.
+        _shift_report.write(results, out)
+      except Exception:  # pylint: disable=broad-except
+        import traceback  # pylint: disable=g-import-not-at-top
+        traceback.print_exc()
   save()
   _shift_report.write(results, out)
   print(f"wall {time.time() - wall0:.0f} s; {uptime()}")

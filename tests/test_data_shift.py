@@ -66,6 +66,24 @@ def test_gap_change_and_verdict(tmp_path):
   assert os.path.getsize(out + ".png") > 1000
 
 
+def test_control_separates_shift_from_time(tmp_path):
+  """Without the shift the gap grows by 1 point; with it by 3: the shift adds 2."""
+  results = _results(onebit_after=4.0)
+  for seed, noise in zip(range(3), (-0.1, 0.0, 0.1)):
+    for kind, after in (("adamw_noshift", 0), ("onebit_noshift", 2.0)):
+      rec = _rec(kind, seed, 0 if kind == "adamw_noshift" else 1.0, after,
+                 noise * (kind != "adamw_noshift"))
+      rec["val_code"] = rec["val_prose"]  # the control's gap is read on prose after T/2
+      results["runs"].append(rec)
+  summ = _shift_report.summary(results)
+  np.testing.assert_allclose(summ["onebit_noshift"]["delta_ms"][0], 1.0, atol=1e-6)
+  np.testing.assert_allclose(summ["onebit"]["shift_attributable_ms"][0], 2.0, atol=1e-6)
+  out = str(tmp_path / "data_shift")
+  _shift_report.write(results, out)
+  text = open(out + ".md").read()
+  assert "**Is it the shift, or time?**" in text and "more than twice its standard error" in text
+
+
 def test_no_staleness(tmp_path):
   results = _results(onebit_after=1.0)
   out = str(tmp_path / "data_shift")
