@@ -366,6 +366,9 @@ def _header(add, results, meta):
   if not all(t.get("own_lr") for t in results):
     add("**1-bit Adam at AdamW's lr only** (`--onebit-at-adamw-lr`): no sweep for its own "
         "learning rate here.\n")
+  if any("zero_one" in t and not t.get("zero_one_own_lr") for t in results):
+    add("**0/1 Adam at AdamW's lr only** (`--zero-one-at-adamw-lr`): no sweep for its own "
+        "learning rate here.\n")
   seeds = "; ".join(f"{t['name']}: {_count(t['selection_seeds'], 'selection seed')} "
                     f"({seed_range(t['selection_seeds'])}), "
                     f"{_count(t['eval_seeds'], 'evaluation seed')} "
@@ -451,7 +454,7 @@ def _zero_one_sections(add, results, heading="##"):
             ("onebit", "1-bit Adam (default freeze)", task["best_lr"]),
             ("onebit_own", "1-bit Adam, its own lr", task["own_lr"] or 0.0),
             ("zero_one", "0/1 Adam (defaults)", task["best_lr"]),
-            ("zero_one_own", "0/1 Adam, its own lr", task["zero_one_own_lr"]))
+            ("zero_one_own", "0/1 Adam, its own lr", task["zero_one_own_lr"] or 0.0))
     for key, label, lr in rows:
       if key not in ev:
         continue
@@ -671,8 +674,9 @@ def _eval_table(add, task, s):
   if "onebit_own" in ev:
     rows.append(("onebit_own", "1-bit Adam at its own lr", s["own_best"]))
   if "zero_one" in ev:
-    rows += [("zero_one", "0/1 Adam (defaults) at AdamW's lr", s["best"]),
-             ("zero_one_own", "0/1 Adam at its own lr", task["zero_one_own_lr"])]
+    rows.append(("zero_one", "0/1 Adam (defaults) at AdamW's lr", s["best"]))
+  if "zero_one_own" in ev:
+    rows.append(("zero_one_own", "0/1 Adam at its own lr", task["zero_one_own_lr"]))
   for key, label, lr in rows:
     o, p = s["eval"][key], paired_stats(ev[key], ev["adamw"])
     worse = "—" if p is None else f"{p['worse']}/{p['n']}"

@@ -62,11 +62,12 @@ rerun of one of them (best lr, first selection seed) gives the stored final
 loss (to its 6 stored digits) and bytes; the report names the file, its commit
 and the check. 1-bit Adam is always rerun. ``--no-freeze-study`` skips steps 4
 and 5 (the freeze-step study and the failing references),
-``--onebit-at-adamw-lr`` runs 1-bit Adam at AdamW's lr only (no own lr), and
+``--onebit-at-adamw-lr`` and ``--zero-one-at-adamw-lr`` run 1-bit Adam, resp.
+0/1 Adam, at AdamW's lr only (no own lr), and
 ``--name`` sets the output files' stem: the 0/1 Adam run of issue 19 is
 
     .venv/bin/python benchmarks/convergence.py --reuse benchmarks/results/convergence.json \
-        --no-freeze-study --onebit-at-adamw-lr --name convergence_zero_one
+        --no-freeze-study --onebit-at-adamw-lr --zero-one-at-adamw-lr --name convergence_zero_one
 
 Outputs (``--out``, default benchmarks/results): convergence.md (tables),
 convergence_freeze.md (the freeze study alone), convergence_zero_one_summary.md
@@ -166,10 +167,10 @@ def planned_runs(task, seeds, eval_seeds, fractions, adamw=True, freeze_study=Tr
           + (fixed * len(select) + 2 if freeze_study else 0))  # freeze study, references
 
 
-def planned_zero_one_runs(task, seeds, eval_seeds, grid) -> int:
+def planned_zero_one_runs(task, seeds, eval_seeds, grid, sweep=True) -> int:
   """Runs of ``zero_one_study`` and ``zero_one_final`` before any own-lr evaluation."""
   select, fresh = seed_sets(task, seeds, eval_seeds)
-  return len(grid) * len(select) + (len(task.lrs) - 1) * len(select) + len(fresh)
+  return len(grid) * len(select) + (len(task.lrs) - 1) * len(select) * sweep + len(fresh)
 
 
 def zero_one_options(options: dict, warmup: int) -> dict:
@@ -350,24 +351,30 @@ def choose_zero_one(results, grid) -> str:
   return min(enumerate(grid), key=score)[1][0]
 
 
-def zero_one_final(runner, result, chosen, options, log, progress=None) -> None:
-  """Step 7 for one task: the chosen setting's sweep and evaluation (adds to ``result``)."""
+def zero_one_final(runner, result, chosen, options, log, progress=None, sweep=True) -> None:
+  """Step 7 for one task: the chosen setting's sweep and evaluation (adds to ``result``).
+
+  ``sweep=False``: at AdamW's lr only (no own lr: ``zero_one_own_lr`` is None).
+  """
   opts = zero_one_options(options, result["warmup"])
   best = result["best_lr"]
-  sweep = {lr: (result["zero_one_study"][chosen] if lr == best else
-                [log(runner.run("zero_one", lr, s, zero_one=opts))
-                 for s in result["selection_seeds"]])
-           for lr in result["adamw"]}
+  lrs = result["adamw"] if sweep else [best]
+  runs = {lr: (result["zero_one_study"][chosen] if lr == best else
+               [log(runner.run("zero_one", lr, s, zero_one=opts))
+                for s in result["selection_seeds"]])
+          for lr in lrs}
   extra = len(result["adamw"]) - len(runner.task.lrs)  # lrs added by the AdamW sweep
-  if progress is not None and extra:
+  if progress is not None and extra and sweep:
     progress.expect(extra * len(result["selection_seeds"]), runner.task.steps)
-  own = min(sweep, key=lambda lr: _mean_final(sweep[lr]))
+  own = min(runs, key=lambda lr: _mean_final(runs[lr])) if sweep else None
   fresh = result["eval_seeds"]
   ev = {"zero_one": [log(runner.run("zero_one", best, s, zero_one=opts)) for s in fresh]}
-  if own != best and progress is not None:
+  if own is not None and own != best and progress is not None:
     progress.expect(len(fresh), runner.task.steps)
-  ev["zero_one_own"] = (ev["zero_one"] if own == best else
-                        [log(runner.run("zero_one", own, s, zero_one=opts)) for s in fresh])
+  if own is not None:
+    ev["zero_one_own"] = (ev["zero_one"] if own == best else
+                          [log(runner.run("zero_one", own, s, zero_one=opts)) for s in fresh])
+  sweep = runs
   result.update(zero_one=sweep, zero_one_own_lr=own, zero_one_chosen=chosen,
                 zero_one_options=opts)
   result["eval"].update(ev)
@@ -392,6 +399,8 @@ def main(argv=None):
                       help="skip the freeze-step study and the failing references (steps 4, 5).")
   parser.add_argument("--onebit-at-adamw-lr", action="store_true",
                       help="1-bit Adam at AdamW's selected lr only (no sweep for its own lr).")
+  parser.add_argument("--zero-one-at-adamw-lr", action="store_true",
+                      help="0/1 Adam at AdamW's selected lr only (no sweep for its own lr).")
   parser.add_argument("--name", default=None,
                       help="the output files' stem (default convergence, or convergence_quick).")
   parser.add_argument("--no-progress", action="store_true",
@@ -420,7 +429,8 @@ def main(argv=None):
   onebit_sweep = not args.onebit_at_adamw_lr
   progress = Progress(sum((planned_runs(t, seeds, eval_seeds, fractions, not args.reuse,
                                         freeze_study, onebit_sweep)
-                           + planned_zero_one_runs(t, seeds, eval_seeds, grid)) * t.steps
+                           + planned_zero_one_runs(t, seeds, eval_seeds, grid,
+                                                   not args.zero_one_at_adamw_lr)) * t.steps
                           for t in tasks), enabled=not args.no_progress)
   reuse = {}
   if args.reuse:
@@ -454,10 +464,15 @@ def main(argv=None):
     runners.append(runner)
   chosen = choose_zero_one(results, grid)
   tqdm.write(f"0/1 Adam (defaults): {chosen}")
+  stem = os.path.join(args.out, args.name or ("convergence_quick" if args.quick
+                                              else "convergence"))
+  os.makedirs(args.out, exist_ok=True)
+  _conv_report.write_json(stem + "_study", results, dict(meta, chosen=chosen))  # a checkpoint
   for runner, result in zip(runners, results):
     progress.task(result["name"])
     wall = time.time()
-    zero_one_final(runner, result, chosen, dict(grid)[chosen], log, progress)
+    zero_one_final(runner, result, chosen, dict(grid)[chosen], log, progress,
+                   sweep=not args.zero_one_at_adamw_lr)
     result["zero_one_wall_s"] += time.time() - wall
     result["zero_one_grid"] = [[label, opts] for label, opts in grid]
   progress.close()
