@@ -53,6 +53,33 @@ def _convergence_rows(link) -> list[str]:
         f"{task['steps']} steps, {task['devices']} devices, {paired['n']} fresh seeds | "
         f"{paired['mean']:+.2f}% (s.e. {paired['se']:.2f}%), {base / sent:.1f}x fewer bytes | "
         f"{link('convergence')} ({data['meta']['git']}) |")
+  return rows + _zero_one_convergence_rows(link)
+
+
+def _zero_one_convergence_rows(link) -> list[str]:
+  """0/1 Adam (its chosen defaults) against AdamW and 1-bit Adam: convergence_zero_one.json."""
+  data = _load("convergence_zero_one")
+  if data is None:
+    return []
+  rows = []
+  for task in data["tasks"]:
+    ev = task["eval"]
+    if "zero_one" not in ev:
+      continue
+    paired = _conv_report.paired_stats(ev["zero_one"], ev["adamw"])
+    mean = lambda recs: sum(r["total_bytes"] for r in recs) / len(recs)
+    sent = mean(ev["zero_one"])
+    rounds = sum(_conv_report.rounds(dict(r, allreduce_bytes=task["allreduce_bytes_per_step"]))[0]
+                 for r in ev["zero_one"]) / len(ev["zero_one"])
+    name = task["title"].split(":")[0]
+    # No "N parameters" here: tests/test_docs.py matches the 1-bit rows by it.
+    rows.append(
+        f"| 0/1 Adam ({task['zero_one_chosen']}): final validation loss vs tuned AdamW | "
+        f"{name}, {task['steps']} steps, {task['devices']} devices, {paired['n']} fresh seeds | "
+        f"{paired['mean']:+.2f}% (s.e. {paired['se']:.2f}%), "
+        f"{mean(ev['adamw']) / sent:.1f}x fewer bytes than AdamW, "
+        f"{mean(ev['onebit']) / sent:.1f}x fewer than 1-bit Adam, {rounds:.0f} rounds of "
+        f"{task['steps']} | {link('convergence_zero_one')} ({data['meta']['git']}) |")
   return rows
 
 

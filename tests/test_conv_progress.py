@@ -51,3 +51,26 @@ def test_the_bar_ends_full(monkeypatch, extensions):
   assert len(out["adamw"]) == len(task.lrs) + extensions
   assert out["own_lr"] != out["best_lr"]
   assert np.isclose(out["best_lr"], min(task.lrs) / 3 ** extensions)
+
+
+def test_the_bar_ends_full_when_adamw_is_reused(monkeypatch):
+  monkeypatch.setattr(convergence._conv_runner, "Runner", _FakeRunner)
+  _FakeRunner.calls = []
+  task = types.SimpleNamespace(name="t", title="t", steps=10, warmup=1, chunk=4,
+                               batch_per_device=1, weight_decay=0.0, lrs=(1e-3, 3e-3, 1e-2),
+                               seeds=2, eval_seeds=3)
+  select, fresh = convergence.seed_sets(task)
+  runner = _FakeRunner(task, None)
+  stored = dict(convergence.task_config(task, runner, select, fresh), best_lr=3e-3,
+                adamw={lr: [dict(seed=s, final_val=lr, total_bytes=1.0) for s in select]
+                       for lr in task.lrs},
+                eval=dict(adamw=[dict(seed=s, final_val=3e-3, total_bytes=1.0) for s in fresh]))
+  progress = convergence.Progress(
+      convergence.planned_runs(task, None, None, (), adamw=False, freeze_study=False,
+                               onebit_sweep=False) * task.steps, enabled=False)
+  out = convergence.run_task(task, None, None, (), lambda r: r, progress=progress,
+                             reuse=(stored, "old"), freeze_study=False, onebit_sweep=False)
+  assert out["reused"] == "old" and out["reproduction"]["ok"]
+  assert _FakeRunner.calls == ["adamw"] + ["onebit"] * (len(select) + len(fresh))
+  assert progress.done == progress.total == len(_FakeRunner.calls) * task.steps
+  assert out["eval"]["adamw"] is stored["eval"]["adamw"] and "fixed" not in out

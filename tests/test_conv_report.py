@@ -68,3 +68,101 @@ def test_markdown_reports_both_seed_sets():
   assert "## Verdict" in md
   freeze = _conv_report.build_freeze_markdown([_task([1.0, 2.0])], meta)
   assert "selection" in freeze and "2 evaluation seeds" in freeze
+
+
+def _zero_one_task(study_gaps, study_bytes, eval_diffs):
+  """``_task`` with the 0/1 Adam pieces: a study (label -> paired gap %, bytes) and its eval."""
+  task = _task([0.0] * len(eval_diffs))
+  sel, ev = task["selection_seeds"], task["eval_seeds"]
+  base_sel = {r["seed"]: r["final_val"] for r in task["adamw"][1e-2]}
+
+  def runs(seeds, base, gap, sent, lr=1e-2):
+    out = []
+    for s in seeds:
+      r = _rec(s, base[s] * (1 + gap / 100), "zero_one", lr)
+      r.update(total_bytes=sent, wire=[0.0, 2.5, 0.1, 0.0] * 10, freeze_step=2)
+      out.append(r)
+    return out
+
+  grid = [[label, dict(var_freeze_step=1, var_update_scaler=k)]
+          for label, k in zip(study_gaps, (16, 4, 1))]
+  task["zero_one_study"] = {label: runs(sel, base_sel, gap, study_bytes[label])
+                            for label, gap in study_gaps.items()}
+  chosen = next(iter(study_gaps))
+  task.update(zero_one_grid=grid, zero_one_chosen=chosen, zero_one_own_lr=1e-2,
+              zero_one_options=dict(var_freeze_step=2, var_update_scaler=16),
+              zero_one={1e-2: task["zero_one_study"][chosen]})
+  base_ev = {r["seed"]: r["final_val"] for r in task["eval"]["adamw"]}
+  zo = [dict(r, final_val=base_ev[r["seed"]] * (1 + d / 100))
+        for r, d in zip(runs(ev, base_ev, 0.0, study_bytes[chosen]), eval_diffs)]
+  task["eval"].update(zero_one=zo, zero_one_own=zo)
+  for r in task["adamw"][1e-2] + task["eval"]["adamw"]:
+    r["wire"] = [2.5] * 40
+  for r in task["onebit"][1e-2] + task["eval"]["onebit"]:
+    r["wire"] = [2.5] * 8 + [0.1] * 32
+  return task
+
+
+def test_rounds_count_model_sized_and_float32_collectives():
+  rec = dict(wire=[2.5, 2.5, 0.1, 0.0, 0.0, 0.1, 2.5], allreduce_bytes=2.5)
+  assert _conv_report.rounds(rec) == (5, 3)
+  assert _conv_report.rounds(dict(wire=[4.0] * 7)) == (7, 7)  # AdamW: its own size
+
+
+def test_zero_one_study_row_applies_both_goals():
+  # 1-bit Adam's selection runs sent 10 bytes (``_rec``): 3x less is <= 3.33 bytes.
+  task = _zero_one_task({"a": 0.2, "b": 0.2, "c": 2.0}, {"a": 3.0, "b": 5.0, "c": 1.0},
+                        [0.1, 0.3])
+  rows = {k: _conv_report.zero_one_study_row(task, k) for k in "abc"}
+  assert math.isclose(rows["a"]["gap"], 0.2, rel_tol=1e-6) and rows["a"]["ok"]
+  assert not rows["b"]["ok"]  # 2x less volume only
+  assert not rows["c"]["ok"]  # +2% loss
+  assert math.isclose(rows["a"]["vs_onebit"], 10.0 / 3.0)
+  assert (rows["a"]["rounds"], rows["a"]["fp32_rounds"]) == (20, 10)
+
+
+def test_choose_zero_one_counts_tasks_then_mean_gap():
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "benchmarks"))
+  import convergence  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  grid = (("a", {}), ("b", {}), ("c", {}))
+  one = _zero_one_task({"a": 0.4, "b": 0.1, "c": 9.0}, {"a": 1.0, "b": 1.0, "c": 1.0}, [0.0])
+  two = _zero_one_task({"a": 0.4, "b": 0.3, "c": 0.0}, {"a": 1.0, "b": 1.0, "c": 9.0}, [0.0])
+  # a and b are ok on both tasks (c on neither: loss, then volume); b has the lower mean gap.
+  assert convergence.choose_zero_one([one, two], grid) == "b"
+  three = _zero_one_task({"a": 0.4, "b": 5.0, "c": 0.0}, {"a": 1.0, "b": 1.0, "c": 9.0}, [0.0])
+  assert convergence.choose_zero_one([one, two, three], grid) == "a"  # ok on all three
+
+
+def test_zero_one_goals_and_markdown():
+  meta = dict(command="c", quick=False, git="g", jax="j", optax="o", onebit_optax="b",
+              machine="m", uptime_start="u", uptime_end="u", started="s", wall_s=60.0)
+  task = _zero_one_task({"a": 0.2, "b": 1.0}, {"a": 3.0, "b": 2.0}, [0.1, 0.3, 0.2])
+  (parity, ok_parity), (volume, ok_volume) = _conv_report.zero_one_goals(task)
+  assert ok_parity and "+0.20%" in parity and "3 evaluation seeds" in parity
+  assert ok_volume and "(3.33x)" in volume
+  md = _conv_report.build_markdown([task], meta)
+  assert "## Three optimizers" in md and "## 0/1 Adam parameter study" in md
+  assert "| t | a **(chosen)** |" in md and "Chosen: **a**" in md
+  assert "kappa: a -> b" in md  # the one-parameter effects table
+  assert "PASS: t: 0/1 Adam >= 3x less volume than 1-bit Adam" in md
+  excerpt = _conv_report.build_zero_one_markdown([task], meta)
+  assert "## 0/1 Adam parameter study" in excerpt and "Goals" in excerpt
+  assert "Freeze-step study" in md  # a task with the freeze study keeps its section
+
+
+def test_markdown_of_a_run_that_reused_adamw_and_skipped_the_freeze_study():
+  meta = dict(command="c", quick=False, git="g", jax="j", optax="o", onebit_optax="b",
+              machine="m", uptime_start="u", uptime_end="u", started="s", wall_s=60.0)
+  task = _zero_one_task({"a": 0.2, "b": 1.0}, {"a": 3.0, "b": 2.0}, [0.1, 0.3])
+  for key in ("fixed", "references", "reference_step"):
+    del task[key]
+  del task["eval"]["onebit_own"], task["eval"]["zero_one_own"]
+  task.update(own_lr=None, zero_one_own_lr=None, reused="old.json (run at abc)",
+              reproduction=dict(lr=1e-2, seed=0, stored=0.9, rerun=0.9, rel=0.0,
+                                bytes_equal=True, ok=True))
+  md = _conv_report.build_markdown([task], meta)
+  assert "**Reused runs.**" in md and "old.json (run at abc)" in md
+  assert "**Not run here:** the freeze-step study" in md and "Freeze-step study" not in md
+  assert "not swept" in md and "its own lr" not in md.split("## Three optimizers")[1].split(
+      "## 0/1 Adam parameter study")[0]
