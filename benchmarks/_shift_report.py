@@ -197,6 +197,49 @@ def _verdict(results, summ) -> list[str]:
   return lines
 
 
+def _advice(results, summ) -> list[str]:
+  """What a user can do today, when the measurements say so."""
+  if "onebit_restart" not in summ or "onebit" not in summ:
+    return []
+  cfg = results["config"]
+  T, half = cfg["steps"], cfg["steps"] // 2
+  mv, sev, nv = summ["onebit_restart"].get("after_vs_onebit_ms", (float("nan"),) * 2 + (0,))
+  stale_m, stale_se, _ = summ["onebit"]["delta_ms"]
+  if not (np.isfinite(mv) and mv < 0 and stale_m > STALE_MIN):
+    return []
+  after = lambda kind: np.mean([_at(r, "bytes", T) - _at(r, "bytes", half)
+                                for r in _runs(results, kind, done_only=True)] or [np.nan])
+  ad, ob, rs = after("adamw"), after("onebit"), after("onebit_restart")
+  freezes = [r["info"][-1].get("freeze_step") for r in _runs(results, "onebit_restart", True)]
+  return [
+      "## What a user can do today\n",
+      "When the data distribution changes at a known step (a new mixture, a fine-tuning "
+      "stage), start a **new** `onebit_adam` state from the current parameters: its "
+      "full-precision warmup measures the new variance and its freeze rule freezes it again. "
+      f"Here its gap to AdamW after the shift was {_fmt(*summ['onebit_restart']['after_ms'][:2], 2, True)}"
+      f" (the frozen variance's: {_fmt(*summ['onebit']['after_ms'][:2], 2, True)}; both before the "
+      f"shift: {_fmt(*summ['onebit']['before_ms'][:2], 2, True)}; paired difference "
+      f"{_pp(mv, sev)} points, {nv} seeds), for "
+      f"{(rs - ob) / 1e6:.0f} MB more per device over the second half ({rs / 1e6:.0f} MB "
+      f"instead of {ob / 1e6:.0f} MB; AdamW: {ad / 1e6:.0f} MB); the new states froze "
+      f"{', '.join(str(f) for f in freezes)} steps after the shift. With the public API "
+      "(the momentum restarts from zero; the old state is dropped):\n",
+      "```python",
+      "# at the step `shift` where the data changes, on every process:",
+      "tx = onebit_optax.onebit_adam(lambda count: schedule(count + shift), axis_name='data',",
+      "                              freeze=onebit_optax.variance_ratio_freeze(min_steps=warmup),",
+      "                              weight_decay=0.1, mask=decay_mask)",
+      "opt_state = onebit_optax.init_sharded(tx, params, mesh, 'data')",
+      "# ... and rebuild (re-jit) the train step with the new tx and its state_partition_specs",
+      "```\n"] + ([
+      "0/1 Adam's exponentially spaced variance steps are no substitute here: its second "
+      "moment is an EMA (b2 = 0.999) over *variance steps*, of which only a few fall after a "
+      "late shift (see *Freeze and refresh*), so its preconditioner at the end is still "
+      "mostly the prose one (see *The preconditioner*).\n"]
+      if "zero_one" in summ and summ["zero_one"].get("after_vs_onebit_ms", [np.nan])[0] >= 0
+      else [])
+
+
 def half_q(results):
   T = results["config"]["steps"]
   return f"{T // 4}, {T // 2}"
@@ -429,6 +472,7 @@ def write(results, out: str) -> None:
   L.append("")
 
   L += _verdict(results, summ)
+  L += _advice(results, summ)
   L.append("![val loss vs step](data_shift.png)\n" if not out.endswith("_quick") else
            "![val loss vs step](data_shift_quick.png)\n")
   with open(out + ".md", "w") as f:
