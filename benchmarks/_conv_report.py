@@ -360,6 +360,14 @@ def _header(add, results, meta):
         "they were: same task configuration, learning rates and seeds, and one of them rerun "
         f"with this code gave the stored final loss to its 6 stored digits and the same bytes "
         f"({checks}). Every 1-bit Adam and 0/1 Adam run is new.\n")
+  failed = [t for t in results if t.get("reproduction") and not t.get("reused")]
+  if failed:
+    add("**Not reused** (the rerun did not give the stored run, so the task's AdamW runs are "
+        "all new): " + "; ".join(
+            f"{t['name']}: lr {t['reproduction']['lr']:g}, seed {t['reproduction']['seed']}, "
+            f"rerun {t['reproduction']['rerun']:.6f} vs stored {t['reproduction']['stored']:.6g} "
+            f"(relative {t['reproduction']['rel']:.1e}, over the 2e-05 tolerance)"
+            for t in failed) + ".\n")
   if not all(t.get("fixed") for t in results):
     add("**Not run here:** the freeze-step study and the failing references (steps 4 and 5, "
         "`--no-freeze-study`): `convergence.md` and `convergence_freeze.md` have them.\n")
@@ -427,6 +435,8 @@ def build_markdown(results, meta) -> str:
   add("")
   if all("zero_one" in t["eval"] for t in results):
     _zero_one_sections(add, results)
+  elif all("zero_one_study" in t and "zero_one_grid" in t for t in results):
+    _zero_one_study_section(add, results)  # a checkpoint: the study, before the final runs
   for task in results:
     _task_section(add, task)
   _replay_section(add, results)
