@@ -65,6 +65,7 @@ RESULT_TITLES = {
     "comm_throughput": "Throughput on 1 Gbit/s links, 4 processes",
     "comm_throughput_rates": "Throughput at three link rates",
     "comm_throughput_hier": "Hierarchical averaging, 2 nodes x 2 processes",
+    "comm_throughput_zero_one": "0/1 Adam by phase, 1 Gbit/s links, 4 processes",
     "scaling_model": "Scaling to cluster shapes (a model)",
     "bounded_update": "Bounding the frozen-variance update",
     "wire_overhead": "Wire overhead and the exact-leaf threshold",
@@ -94,6 +95,10 @@ RESULT_INTROS = {
         "Bytes are read from the interfaces' counters and compared with the optimizer's "
         "wire layout ({doc}`/how_it_works/wire_format`). Needs root (network "
         "namespaces)."),
+    "comm_throughput_zero_one": (
+        "The communication benchmark on the current code with 0/1 Adam: every step's phase "
+        "(variance, compressed, local, sync) read from the state, each phase timed on its own "
+        "next to Adam and 1-bit Adam, and its bytes read from the interfaces."),
     "comm_throughput_rates": (
         "The communication benchmark at three link rates (100 Mbit/s, 1 Gbit/s, "
         "10 Gbit/s): where 1-bit Adam pays and where it does not."),
