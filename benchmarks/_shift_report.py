@@ -193,6 +193,10 @@ def _verdict(results, summ) -> list[str]:
            "twice the standard error)." if worse else
            ("No significant difference from the frozen variance after the shift."
             if nv > 1 else "Not better than the frozen variance (one seed)."))
+        + (f" It trails AdamW by {s['before_ms'][0]:.1f}% already before the shift (1-bit Adam: "
+           f"{m_b:.1f}%), so its curve after the shift says little about the refresh as such; "
+           "how far its v moved is in *The preconditioner* and *Freeze and refresh*."
+           if kind == "zero_one" and s["before_ms"][0] - m_b > 2.0 else "")
         + "\n")
   return lines
 
