@@ -1,0 +1,235 @@
+"""Compute cost of a 0/1 Adam train step, per kind of step, versus Adam and 1-bit Adam (one device).
+
+    .venv/bin/python benchmarks/zero_one_compute.py                    # 2.56M parameters
+    .venv/bin/python benchmarks/zero_one_compute.py --size 4e6 --repeats 15
+    .venv/bin/python benchmarks/zero_one_compute.py --before OLD.json  # adds a before/after table
+
+What is timed: the jitted train step ``params, state = step(params, state, grads)``
+(``tx.update`` + ``optax.apply_updates``, ``donate_argnums=(0, 1)``), one device,
+``axis_name=None``. Contestants: ``optax.adam``; ``onebit_adam`` in warmup and
+in compression; ``zero_one_adam`` at a state whose next step is a variance,
+compressed, local (``local_steps=8``) or sync step (``local_steps=None``:
+every step after the freeze is a sync), found by running the real schedule
+(``var_freeze_step=12``, ``var_update_scaler=2``, ``local_step_scaler=1``).
+Each 0/1 Adam timed call starts from a fresh copy of that state (made outside
+the timer; the call donates it), so every repeat takes the same kind of step.
+Contestants run interleaved (adam, warmup, ..., adam, ...), median of the
+repeats. XLA: one intra-op thread (``--threads all`` lifts that).
+
+HLO facts per program (compiled, ``jax.jit(step).lower(...).compile()``): the
+number of ``copy`` instructions and the elements they copy, the number of
+``conditional`` instructions and the bytes of the largest conditional's result
+tuple, and ``memory_analysis().temp_size_in_bytes``.
+
+Writes benchmarks/results/zero_one_compute.md (and, with ``--json``, the raw numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--size", type=float, default=2.56e6, help="parameter count (default 2.56e6)")
+  p.add_argument("--repeats", type=int, default=9, help="timed steps per contestant")
+  p.add_argument("--threads", choices=("1", "all"), default="1")
+  p.add_argument("--json", default=None, help="also write the raw numbers here")
+  p.add_argument("--before", default=None, help="a --json file of an earlier run: before/after table")
+  p.add_argument("--out", default=str(RESULTS / "zero_one_compute.md"))
+  return p.parse_args(argv)
+
+
+ARGS = _parse_args(sys.argv[1:]) if __name__ == "__main__" else None
+if ARGS is None or ARGS.threads == "1":
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                             " intra_op_parallelism_threads=1").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import onebit_optax  # noqa: E402
+
+import _provenance  # noqa: E402
+
+LR = 1e-3
+FREEZE = 12
+ZO = dict(axis_name=None, var_freeze_step=FREEZE, var_update_scaler=2, local_step_scaler=1)
+
+
+def make_tree(size: int, seed: int = 0):
+  """A model-shaped tree: two matrices, an embedding, biases (1/2, 1/4, 1/8, rest; small leaves too)."""
+  shapes, used = [], 0
+  for frac in (2, 4, 8):
+    rows = size // frac // 128
+    shapes.append((rows, 128))
+    used += rows * 128
+  shapes += [(128,), (32,), (size - used - 160,)]
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return {f"w{i}": jax.random.normal(k, s, jnp.float32) for i, (k, s) in enumerate(zip(keys, shapes))}
+
+
+def _step(tx):
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
+
+
+def _copy(tree):
+  return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+
+
+def _phase(state) -> str:
+  return onebit_optax.zero_one_phase(state)
+
+
+def _at_phase(step, params, state, grads, want: str, limit: int = 200):
+  """Runs the real schedule until the next step of ``state`` is a ``want`` step."""
+  for _ in range(limit):
+    p, s = step(_copy(params), _copy(state), grads)
+    if _phase(s) == want:
+      return params, state
+    params, state = p, s
+  raise RuntimeError(f"no {want} step within {limit} steps")
+
+
+def contestants(size: int, grads):
+  """name -> (step, params, state, fresh): fresh means every call starts from a copy of the state."""
+  out = {}
+  for name, tx in (("adam", optax.adam(LR)),
+                   ("1-bit warmup", onebit_optax.onebit_adam(LR, axis_name=None, freeze=10**9)),
+                   ("1-bit compression", onebit_optax.onebit_adam(LR, axis_name=None, freeze=1))):
+    step, params = _step(tx), make_tree(size)
+    state = tx.init(params)
+    for _ in range(3):
+      params, state = step(params, state, grads)
+    out[name] = (step, params, state, False)
+  for phase, local in (("variance", None), ("compressed", None), ("local", 8), ("sync", None)):
+    tx = onebit_optax.zero_one_adam(LR, local_steps=local, **ZO)
+    step, params = _step(tx), make_tree(size)
+    params, state = _at_phase(step, params, tx.init(params), grads, phase)
+    out[f"0/1 {phase}"] = (step, params, state, True)
+  return out
+
+
+def time_all(cands, grads, repeats: int) -> dict:
+  times = {name: [] for name in cands}
+  live = {name: [c[1], c[2]] for name, c in cands.items()}
+  for _ in range(repeats):
+    for name, (step, params, state, fresh) in cands.items():
+      p, s = (_copy(params), _copy(state)) if fresh else live[name]
+      jax.block_until_ready((p, s))
+      t = time.perf_counter()
+      p, s = step(p, s, grads)
+      jax.block_until_ready((p, s))
+      times[name].append(time.perf_counter() - t)
+      if fresh:
+        assert _phase(s) == name.split()[-1], (name, _phase(s))
+      else:
+        live[name] = [p, s]
+  return times
+
+
+_SHAPE = re.compile(r"(f32|s32|u8|pred|u32|s8|f16|bf16)\[([0-9,]*)\]")
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "u8": 1, "s8": 1, "pred": 1, "f16": 2, "bf16": 2}
+
+
+def _shape_bytes(text: str) -> int:
+  total = 0
+  for dtype, dims in _SHAPE.findall(text):
+    total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+  return total
+
+
+def hlo_facts(step, params, state, grads) -> dict:
+  compiled = step.lower(params, state, grads).compile()
+  text = compiled.as_text()
+  copies = [ln for ln in text.splitlines() if re.search(r"= \S+ copy\(", ln)]
+  copy_bytes = sum(_shape_bytes(ln.split("=", 1)[1].split("copy(", 1)[0]) for ln in copies)
+  conds = [ln for ln in text.splitlines() if " conditional(" in ln]
+  cond_bytes = max([_shape_bytes(ln.split("=", 1)[1].split("conditional(", 1)[0]) for ln in conds],
+                   default=0)
+  mem = compiled.memory_analysis()
+  return {"copies": len(copies), "copy_bytes": copy_bytes, "conditionals": len(conds),
+          "cond_result_bytes": cond_bytes, "temp_bytes": int(mem.temp_size_in_bytes)}
+
+
+def main(args) -> int:
+  size = int(args.size)
+  load_start = os.getloadavg()
+  grads = make_tree(size, 1)
+  cands = contestants(size, grads)
+  d4 = 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(grads))
+  facts = {name: hlo_facts(c[0], c[1], c[2], grads) for name, c in cands.items()}
+  times = time_all(cands, grads, args.repeats)
+  med = {name: float(np.median(ts)) for name, ts in times.items()}
+  data = {"command": " ".join(["python", "benchmarks/zero_one_compute.py"] + [shlex.quote(a) for a in sys.argv[1:]]),
+          "commit": _provenance.git_commit(), "jax": jax.__version__, "size": size,
+          "repeats": args.repeats, "threads": args.threads, "cpus": os.cpu_count(),
+          "load_start": [round(x, 2) for x in load_start],
+          "load_end": [round(x, 2) for x in os.getloadavg()],
+          "median_s": med, "all_s": times, "facts": facts, "d4": d4}
+  if args.json:
+    Path(args.json).write_text(json.dumps(data, indent=1))
+  before = json.loads(Path(args.before).read_text()) if args.before else None
+  Path(args.out).write_text("\n".join(render(data, before)) + "\n")
+  print("\n".join(render(data, before)))
+  return 0
+
+
+def _table(data) -> list:
+  med, facts, d4 = data["median_s"], data["facts"], data["d4"]
+  lines = ["| step | median (ms) | **/ adam** | copies (HLO) | copied (D) | conditionals | "
+           "largest conditional result (D) | temp (D) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for name, t in med.items():
+    f = facts[name]
+    lines.append(f"| {name} | {1e3 * t:.1f} | {t / med['adam']:.2f} | {f['copies']} | "
+                 f"{f['copy_bytes'] / d4:.2f} | {f['conditionals']} | {f['cond_result_bytes'] / d4:.2f} | "
+                 f"{f['temp_bytes'] / d4:.2f} |")
+  return lines
+
+
+def _header(data) -> str:
+  return (f"`{data['command']}`: commit {data['commit']}, jax {data['jax']}, {data['size']:,} "
+          f"parameters, {data['repeats']} interleaved repeats, XLA intra-op threads {data['threads']}, "
+          f"{data['cpus']} CPUs; load average (1/5/15 min) at start {data['load_start']}, at end "
+          f"{data['load_end']} (a shared machine: ratios measured side by side, not absolute times).")
+
+
+def render(data, before=None) -> list:
+  lines = ["#### 0/1 Adam compute per kind of step vs Adam (one device, axis_name=None)", "",
+           "Timed: the jitted train step (`tx.update` + `optax.apply_updates`, params and state "
+           "donated), median of interleaved repeats; each 0/1 Adam call starts from a copy of a "
+           "state reached by the real schedule whose next step is of that kind "
+           f"(`var_freeze_step={FREEZE}, var_update_scaler=2, local_step_scaler=1`; local: "
+           "`local_steps=8`; sync: `local_steps=None`). D = parameter bytes (4 x count). HLO: "
+           "the compiled step's `copy` instructions and their size, `conditional` count, the "
+           "largest conditional's result tuple, `memory_analysis().temp_size_in_bytes`.", "",
+           "After: " + _header(data) if before else _header(data), ""] + _table(data)
+  if before:
+    lines += ["", "Before: " + _header(before), ""] + _table(before) + [
+        "", "| step | before / adam | after / adam |", "|---|---:|---:|"]
+    for name, t in data["median_s"].items():
+      b = before["median_s"].get(name)
+      bs = f"{b / before['median_s']['adam']:.2f}" if b else "-"
+      lines.append(f"| {name} | {bs} | {t / data['median_s']['adam']:.2f} |")
+  return lines
+
+
+if __name__ == "__main__":
+  sys.exit(main(ARGS))
