@@ -182,12 +182,6 @@ def _next_state(hp, plan, state, sched: _steps.Schedule, res: _steps.Result):
       since_sync=pick(jnp.where(sched.sync, 0, state.since_sync + 1), state.since_sync))
 
 
-def _branches(hp: _steps.Hyper, plan, grads, state, sched, params):
-  step = lambda fn: (lambda g, s: fn(hp, plan, g, s, sched, params))
-  branches = [step(_steps.variance_step), step(_steps.compressed_step), step(_steps.local_step)]
-  return jax.lax.switch(sched.kind, branches, grads, state)
-
-
 def _decay_flags(mask, params, treedef) -> tuple:
   """Per leaf, whether it gets weight decay (``mask`` as in :func:`optax.adamw`: a tree or a prefix)."""
   if mask is None:
@@ -204,7 +198,7 @@ def _update(updates, state, params, hp: _steps.Hyper, axis_name):
   grads = jax.tree.leaves(updates)
   params = None if params is None else jax.tree.leaves(params)
   sched = _schedule(hp, state)
-  res = _branches(hp, plan, grads, state, sched, params)
+  res = _steps.step(hp, plan, grads, state, sched, params)
   out = [u.astype(g.dtype) for u, g in zip(res.updates, grads)]
   return jax.tree.unflatten(plan.treedef, out), _next_state(hp, plan, state, sched, res)
 

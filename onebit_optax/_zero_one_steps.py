@@ -65,7 +65,7 @@ class Schedule(NamedTuple):
 
 
 class Result(NamedTuple):
-  """What every branch returns (the fields a branch does not change are passed through)."""
+  """What a step returns (the fields its kind does not change hold their old values)."""
 
   updates: list
   mu: list
@@ -170,73 +170,6 @@ def leaves_or_none(tree):
   return None if tree is None else jax.tree.leaves(tree)
 
 
-def _passthrough(state, updates, mu, nu, nu_l1, finite, wire) -> Result:
-  return Result(updates, mu, nu, nu_l1, state.local_sent, state.worker_scale, state.server_error,
-                leaves_or_none(state.local_mu), leaves_or_none(state.accumulator), finite,
-                jnp.float32(wire))
-
-
-def variance_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result:
-  """A variance step: the float32 mean gradient (one all-reduce), Adam's ``m`` and ``v``, Adam's step."""
-  total = [g.astype(F32) for g in grads]
-  if plan.axes.slow is not None:
-    total = jax.lax.psum(total, plan.axes.slow)  # one tuple all-reduce (XLA's combiner)
-  mean = [t * (1.0 / plan.axes.n_slow) for t in total]
-  finite = (jnp.all(jnp.isfinite(jnp.stack([jnp.sum(m) for m in mean])))
-            if hp.skip_nonfinite else jnp.bool_(True))
-  mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-  mu = [jnp.where(finite, hp.b1 * m + (1.0 - hp.b1) * g, m) for m, g in zip(mus, mean)]
-  nu = [jnp.where(finite, hp.b2 * v + (1.0 - hp.b2) * jnp.square(g), v) for v, g in zip(nus, mean)]
-  nu_l1 = jnp.where(finite, jnp.stack([jnp.sum(v) for v in nu]), state.nu_l1)
-  bc1 = bias_correction(hp.b1, sched.count)
-  bc2 = bias_correction(hp.b2, state.variance_updates + 1)
-  # Adam's own step while every step so far was a variance step; once compressed
-  # steps have fed m (signs at their leaf's scale), m no longer matches v
-  # coordinate by coordinate, and the variance step is floored and clipped too
-  # (unbounded, it blew the digits MLP up at the first variance step after them).
-  bounded = state.variance_updates < state.count
-  floor = floors(hp, plan, nu_l1, bc2)
-  dirs = [direction(hp, m, v, bc1, bc2, floor[i], bounded, finite)
-          for i, (m, v) in enumerate(zip(mu, nu))]
-  return _passthrough(state, _scaled(hp, plan, dirs, params, sched, finite), mu, nu, nu_l1, finite,
-                      _bytes_allreduce(plan))
-
-
-def compressed_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result:
-  r"""A compressed step: each device's gradient through the 1-bit mean with error feedback; ``m`` only.
-
-  .. math::
-
-    u_i = g_i + e_i, \quad \hat g = \mathrm{compressed\_mean}_i(u_i), \quad
-    m = \beta_1 m + (1-\beta_1)\hat g, \quad v \text{ unchanged}.
-  """
-  layout = plan.layout
-  sent = [grads[i].astype(F32)[None] + feedback(state.local_sent[k], state.worker_scale[0, k])
-          for k, i in enumerate(layout.compressed)]
-  gathered, scales, server_error, finite = exchange(
-      plan, sent, [grads[i] for i in layout.exact], state.server_error, hp)
-  mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-  bc1 = bias_correction(hp.b1, sched.count)
-  bc2 = bias_correction(hp.b2, state.variance_updates)
-  floor = floors(hp, plan, state.nu_l1, bc2)
-  mu, dirs = [], []
-  for i, (m, v) in enumerate(zip(mus, nus)):
-    if plan.kind(i)[0] == "z":
-      mu.append(m)
-      dirs.append(_zeros_like(m))
-      continue
-    g = mean_leaf(plan, gathered, i, jnp.shape(m))
-    mu.append(jnp.where(finite, hp.b1 * m + (1.0 - hp.b1) * g, m))
-    dirs.append(direction(hp, mu[-1], v, bc1, bc2, floor[i], True, finite))
-  # A skipped step keeps what was sent before: its feedback stays valid.
-  local_sent = tuple(jnp.where(finite, u, old).astype(old.dtype)
-                     for u, old in zip(sent, state.local_sent))
-  return Result(_scaled(hp, plan, dirs, params, sched, finite), mu, nus, state.nu_l1, local_sent,
-                jnp.where(finite, scales, state.worker_scale), server_error,
-                leaves_or_none(state.local_mu), leaves_or_none(state.accumulator), finite,
-                jnp.float32(_bytes_onebit(plan)))
-
-
 def _preconditioners(hp: Hyper, plan: Plan, nus, nu_l1, bc2) -> list:
   r"""Per leaf, the frozen preconditioner's denominator :math:`\sqrt{\max(\hat v, f\bar{\hat v})} + \epsilon`."""
   floor = floors(hp, plan, nu_l1, bc2)
@@ -283,68 +216,162 @@ def _momentum_after_sync(hp: Hyper, plan: Plan, i, avg, denominator, bc1, lr_sum
   return m
 
 
-def _sync(hp: Hyper, plan: Plan, state, sched: Schedule, acc, denominators, bc1, lr_sum,
-          params):
-  r"""The sync: the 1-bit mean of :math:`a_i(\sqrt{\hat v}+\epsilon)`, applied as :math:`\bar a/(\sqrt{\hat v}+\epsilon)`.
+def _mean_of(plan: Plan, gathered, shapes) -> list:
+  """Per leaf, the mean that the gathered 1-bit messages hold (an empty leaf: zeros)."""
+  return [jnp.zeros(s, F32) if plan.kind(i)[0] == "z" else mean_leaf(plan, gathered, i, s)
+          for i, s in enumerate(shapes)]
 
-  The momentum restarts from the mean (:func:`_momentum_after_sync`), on
-  every device alike. A non-finite mean drops the interval on every device
-  (the parameters stay, the accumulators and momenta restart from the last
-  sync; without local steps: a skipped step).
+
+def _finite_mean(hp: Hyper, plan: Plan, total):
+  """Whether the mean gradient (the variance step's) is finite everywhere."""
+  mean = [t * (1.0 / plan.axes.n_slow) for t in total]
+  return (jnp.all(jnp.isfinite(jnp.stack([jnp.sum(m) for m in mean])))
+          if hp.skip_nonfinite else jnp.bool_(True))
+
+
+def _collectives(hp: Hyper, plan: Plan, state, sched: Schedule, g32, sent, exact, server):
+  """This step's communication alone in a conditional: ``(total, gathered, scales, server_error, finite)``.
+
+  ``total`` is the float32 sum of the gradients (a variance step; else zeros;
+  on one device there is nothing to sum: empty, and ``finite`` is decided
+  outside), ``gathered`` the 1-bit messages of ``sent``/``exact`` (a
+  compressed step or a sync; else zeros). The branches take and return only
+  what the communication needs and gives: the full-size state stays outside,
+  where XLA writes each new buffer once, into the donated one (a conditional
+  returning the whole state copied every buffer into its result and the
+  result into the state: ``benchmarks/results/zero_one_compute.md``).
   """
-  layout, mus, nus = plan.layout, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-  scaled = [a * q for a, q in zip(acc, denominators)]
-  sent = [scaled[i][None] + feedback(state.local_sent[k], state.worker_scale[0, k],
-                                     jnp.logical_not(sched.fresh))
-          for k, i in enumerate(layout.compressed)]
-  server = (None if state.server_error is None
-            else jnp.where(sched.fresh, 0.0, state.server_error).astype(state.server_error.dtype))
-  gathered, scales, server_error, finite = exchange(
-      plan, sent, [scaled[i] for i in layout.exact], server, hp)
-  updates, mu = [], []
-  for i, (m, v) in enumerate(zip(mus, nus)):
-    if plan.kind(i)[0] == "z":
-      updates.append(_zeros_like(m))
-      mu.append(m)
-      continue
-    avg = mean_leaf(plan, gathered, i, jnp.shape(m))
-    updates.append(jnp.where(finite & (v > 0), avg / denominators[i], 0.0))
-    mu.append(jnp.where(finite & (lr_sum > 0), _momentum_after_sync(
-        hp, plan, i, avg, denominators[i], bc1, lr_sum, params), m))
-  vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
-  # A dropped sync keeps the last sent values (their error feedback stays valid),
-  # unless they were the gradients' (the first sync after the freeze).
-  keep = lambda new, old: jnp.where(finite, new, jnp.where(sched.fresh, 0.0, old)).astype(old.dtype)
-  local_sent = tuple(keep(u, old) for u, old in zip(sent, state.local_sent))
-  return Result(updates, mu, nus, state.nu_l1, local_sent, keep(scales, state.worker_scale),
-                server_error, [vary(m) for m in mu], [vary(jnp.zeros_like(a)) for a in acc],
-                finite, jnp.float32(_bytes_onebit(plan)))
+  no_scales = _collective.vary(jnp.zeros((1, len(plan.layout.compressed)), F32),
+                               plan.axes.device_axes)
+  g32 = g32 if plan.axes.slow is not None else []
+  no_total = lambda: [jnp.zeros(jnp.shape(g), F32) for g in g32]
 
+  def onebit(g32, sent, exact, server):
+    gathered, scales, server_error, finite = exchange(plan, sent, exact, server, hp)
+    return no_total(), gathered, scales, server_error, finite
 
-def local_step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result:
-  """A local step (no communication), or a sync step: the local step, then the 1-bit sync.
+  shape = jax.eval_shape(onebit, g32, sent, exact, server)[1]
+  no_message = jnp.zeros(shape.shape, shape.dtype)
 
-  Without local steps (after the freeze) every step is a sync, in direction
-  units (``sched.lr`` is 1, the chain's learning rate follows) and with no
-  per-device momentum or accumulator kept between steps.
-  """
-  bc1 = bias_correction(hp.b1, sched.count)
-  bc2 = bias_correction(hp.b2, state.variance_updates)
-  new_mu, acc = _local_progress(hp, plan, grads, state, sched, params, bc1, bc2)
-  nus = jax.tree.leaves(state.nu)
-  lr_sum = state.lr_sum + sched.lr
+  def variance(g32, sent, exact, server):
+    if plan.axes.slow is None:
+      return [], no_message, no_scales, state.server_error, jnp.bool_(True)
+    total = jax.lax.psum(g32, plan.axes.slow)  # one tuple all-reduce (XLA's combiner)
+    return total, no_message, no_scales, state.server_error, _finite_mean(hp, plan, total)
 
-  def no_sync(new_mu, acc):
-    zeros = [_zeros_like(v) for v in nus]
-    return Result(zeros, jax.tree.leaves(state.mu), nus, state.nu_l1, state.local_sent,
-                  state.worker_scale, state.server_error, [m[None] for m in new_mu],
-                  [a[None] for a in acc], jnp.bool_(True), jnp.float32(0))
-
-  def sync(new_mu, acc):
-    denominators = _preconditioners(hp, plan, nus, state.nu_l1, bc2)
-    return _sync(hp, plan, state, sched, acc, denominators, bc1, lr_sum, params)
+  def silent(g32, sent, exact, server):
+    return no_total(), no_message, no_scales, state.server_error, jnp.bool_(True)
 
   if hp.local_steps is None:
-    res = sync(new_mu, acc)
-    return res._replace(updates=[-u for u in res.updates], local_mu=None, accumulator=None)
-  return jax.lax.cond(sched.sync, sync, no_sync, new_mu, acc)
+    local = onebit
+  else:
+    local = lambda *ops: jax.lax.cond(sched.sync, onebit, silent, *ops)
+  return jax.lax.switch(sched.kind, [variance, onebit, local], g32, sent, exact, server)
+
+
+def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result:
+  r"""One step of the kind ``sched.kind``: its collectives in a conditional, the full-size math outside.
+
+  **Variance step**: the float32 mean gradient :math:`\bar g` (one
+  all-reduce), Adam's ``m`` and ``v``, Adam's step (floored and clipped once
+  compressed steps have fed ``m``).
+
+  **Compressed step**: each device's gradient through the 1-bit mean with
+  error feedback, :math:`u_i = g_i + e_i`, :math:`\hat g =
+  \mathrm{compressed\_mean}_i(u_i)`, :math:`m = \beta_1 m + (1-\beta_1)\hat g`,
+  ``v`` unchanged.
+
+  **Local step** (no communication), or a **sync**: the local step, then the
+  1-bit mean of the progress (:func:`_momentum_after_sync`). Without local
+  steps (after the freeze) every step is a sync, in direction units
+  (``sched.lr`` is 1, the chain's learning rate follows), with no per-device
+  momentum or accumulator kept between steps. A non-finite mean drops the
+  interval on every device.
+
+  Only the collectives are branched (:func:`_collectives`); every step
+  evaluates the elementwise formulas of all kinds and selects its kind's values
+  with ``jnp.where`` on replicated scalars, which measured cheaper than a
+  conditional over the full-size state (``benchmarks/zero_one_compute.py``).
+  The values are those of the earlier per-kind branches up to the rounding of
+  fused multiply-adds, which XLA:CPU contracts differently in other fusions.
+  """
+  layout = plan.layout
+  is_var, is_comp = sched.kind == VARIANCE, sched.kind == COMPRESSED
+  is_local = sched.kind == LOCAL
+  synced = is_local & sched.sync
+  mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
+  empty = [plan.kind(i)[0] == "z" for i in range(len(mus))]
+  g32 = [g.astype(F32) for g in grads]
+  bc1 = bias_correction(hp.b1, sched.count)
+  bc2 = bias_correction(hp.b2, state.variance_updates)  # v frozen: compressed, local, sync
+  # The local step's own progress and the sync's message (used on local-phase steps).
+  new_mu, acc = _local_progress(hp, plan, grads, state, sched, params, bc1, bc2)
+  if hp.local_steps is not None:  # (read after the conditional: materialized before it)
+    new_mu, acc = jax.lax.optimization_barrier((new_mu, acc))
+  denominators = _preconditioners(hp, plan, nus, state.nu_l1, bc2)
+  scaled = [a * q for a, q in zip(acc, denominators)]
+  sent = [jnp.where(is_comp, g32[i][None] + feedback(state.local_sent[k], state.worker_scale[0, k]),
+                    scaled[i][None] + feedback(state.local_sent[k], state.worker_scale[0, k],
+                                               jnp.logical_not(sched.fresh)))
+          for k, i in enumerate(layout.compressed)]
+  exact = [jnp.where(is_comp, g32[i], scaled[i]) for i in layout.exact]
+  server = (None if state.server_error is None  # (fresh: a local-phase step)
+            else jnp.where(sched.fresh, 0.0, state.server_error).astype(state.server_error.dtype))
+  total, gathered, scales, server_error, finite = _collectives(
+      hp, plan, state, sched, g32, sent, exact, server)
+  if plan.axes.slow is None:  # one device: the sum is the gradient (no operand of the conditional)
+    total = g32
+    finite = jnp.where(is_var, _finite_mean(hp, plan, g32), finite)
+  # The mean: float32 (variance step) or decoded from the 1-bit messages (fused into its consumers).
+  onebit_mean = _mean_of(plan, gathered, [jnp.shape(v) for v in nus])
+  avg = [jnp.where(is_var, t * (1.0 / plan.axes.n_slow), c) for t, c in zip(total, onebit_mean)]
+  # Later readers take mu's and nu's successors (the same values where they are
+  # read): a donated buffer that a fusion not ordered before its writer still
+  # reads costs XLA a copy of it. (XLA:CPU expands the optimization barriers
+  # before fusion; they still shape the passes before it.)
+  # Variance and compressed steps: the new moments and Adam's (bounded) step.
+  nu_v = [jnp.where(finite, hp.b2 * v + (1.0 - hp.b2) * jnp.square(g), v) for v, g in zip(nus, avg)]
+  nu = jax.lax.optimization_barrier([jnp.where(is_var, v_new, v) for v_new, v in zip(nu_v, nus)])
+  nu_l1 = jnp.where(is_var & finite, jnp.stack([jnp.sum(v) for v in nu_v]), state.nu_l1)
+  bc2_here = jnp.where(is_var, bias_correction(hp.b2, state.variance_updates + 1), bc2)
+  bounded = jnp.where(is_var, state.variance_updates < state.count, True)
+  floor = floors(hp, plan, nu_l1, bc2_here)
+  mu_vc = [m if empty[i] else jnp.where(finite, hp.b1 * m + (1.0 - hp.b1) * g, m)
+           for i, (m, g) in enumerate(zip(mus, avg))]
+  # Local-phase steps: nothing moves but this device's progress, or the sync (v unchanged).
+  denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2)
+  lr_sum = state.lr_sum + sched.lr
+  mu_s = [m if empty[i] else jnp.where(finite & (lr_sum > 0), _momentum_after_sync(
+      hp, plan, i, a, denominators[i], bc1, lr_sum, params), m)
+          for i, (m, a) in enumerate(zip(mus, avg))]
+  mu_l = mu_s if hp.local_steps is None else [jnp.where(sched.sync, ms, m)
+                                               for ms, m in zip(mu_s, mus)]
+  mu = jax.lax.optimization_barrier([jnp.where(is_local, ml, mvc) for ml, mvc in zip(mu_l, mu_vc)])
+  # mu and nu are now this step's: mu_vc and nu on variance and compressed steps.
+  dirs = [_zeros_like(m) if empty[i] else direction(hp, m, v, bc1, bc2_here, floor[i], bounded, finite)
+          for i, (m, v) in enumerate(zip(mu, nu))]
+  upd_vc = _scaled(hp, plan, dirs, params, sched, finite)
+  upd_s = [_zeros_like(v) if empty[i] else jnp.where(finite & (v > 0), a / denominators[i], 0.0)
+           for i, (v, a) in enumerate(zip(nu, avg))]
+  if hp.local_steps is None:
+    upd_l = [-u for u in upd_s]
+  else:
+    upd_l = [jnp.where(sched.sync, u, 0.0) for u in upd_s]
+  updates = [jnp.where(is_local, ul, uvc) for ul, uvc in zip(upd_l, upd_vc)]
+  # A skipped step keeps what was sent before (its feedback stays valid), unless
+  # that was the gradients' (a dropped first sync after the freeze).
+  active = is_comp | synced
+  keep = lambda new, old: jnp.where(active, jnp.where(finite, new, jnp.where(
+      sched.fresh, 0.0, old)), old).astype(old.dtype)
+  local_sent = tuple(keep(u, old) for u, old in zip(sent, state.local_sent))
+  wire = jnp.where(is_var, _bytes_allreduce(plan),
+                   jnp.where(active, _bytes_onebit(plan), 0.0)).astype(F32)
+  local_mu = accumulator = None
+  if hp.local_steps is not None:
+    vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
+    local_mu = [jnp.where(is_local, jnp.where(sched.sync, vary(ms), m[None]), old)  # (mu: mu_s)
+                for ms, m, old in zip(mu, new_mu, jax.tree.leaves(state.local_mu))]
+    accumulator = [jnp.where(is_local, jnp.where(sched.sync, vary(jnp.zeros_like(a)), a[None]), old)
+                   for a, old in zip(acc, jax.tree.leaves(state.accumulator))]
+  return Result(updates, mu, nu, nu_l1, local_sent, keep(scales, state.worker_scale), server_error,
+                local_mu, accumulator, finite, wire)
