@@ -856,7 +856,8 @@ def write(stem: str, results, meta) -> str:
     with open(stem + "_freeze.md", "w") as f:
       f.write(build_freeze_markdown(results, meta) + "\n")
   if all("zero_one" in t["eval"] for t in results):
-    with open(stem + "_zero_one_summary.md", "w") as f:
+    excerpt = stem + ("_summary" if stem.endswith("_zero_one") else "_zero_one_summary")
+    with open(excerpt + ".md", "w") as f:
       f.write(build_zero_one_markdown(results, meta) + "\n")
   plot(stem + ".png", results)
   return md
