@@ -142,7 +142,8 @@ class Runner:
     return onebit_optax.onebit_adam(self.schedule, axis_name=AXIS, freeze=freeze, **kw)
 
   def _init(self, kind: str, params, zero_one=None):
-    tx = self.make_tx(kind, zero_one=zero_one)
+    # (A subclass's make_tx/_train_step may not take the 0/1 arguments: passed for zero_one only.)
+    tx = self.make_tx(kind) if zero_one is None else self.make_tx(kind, zero_one=zero_one)
     if kind in self.replicated_kinds:
       opt_state = jax.device_put(tx.init(params), NamedSharding(self.mesh, P()))
       opt_specs = jax.tree.map(lambda _: P(), opt_state)
@@ -185,7 +186,8 @@ class Runner:
 
   def _train_step(self, kind, params, carry, batch, lr, freeze_at, zero_one=None):
     task = self.task
-    tx = self.make_tx(kind, freeze_at, zero_one=zero_one, lr=lr)
+    tx = (self.make_tx(kind, freeze_at) if zero_one is None
+          else self.make_tx(kind, freeze_at, zero_one=zero_one, lr=lr))
     step = carry["step"] + 1
 
     def loss_fn(p):
@@ -249,8 +251,8 @@ class Runner:
     def chunk(params, carry, batches, lr, freeze_at):
       def body(state, batch):
         params, carry = state
-        params, carry, out = self._train_step(kind, params, carry, batch, lr, freeze_at,
-                                              zero_one)
+        extra = () if zero_one is None else (zero_one,)
+        params, carry, out = self._train_step(kind, params, carry, batch, lr, freeze_at, *extra)
         return (params, carry), out
       (params, carry), out = jax.lax.scan(body, (params, carry), batches)
       return params, carry, out
