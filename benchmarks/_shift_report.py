@@ -155,7 +155,8 @@ def _verdict(results, summ) -> list[str]:
       f"{_fmt(m_b, se_b, 2, True)} before the shift and {_fmt(m_a, se_a, 2, True)} after it: "
       f"a change of {_pp(m_d, se_d)} points. "
       + ("**Yes**: the gap grows after the shift by more than twice its standard error "
-         f"and more than {STALE_MIN} points." if stale and n > 1 else
+         f"and more than {STALE_MIN} points (how much of it is the shift and how much is "
+         "time: the next paragraph)." if stale and n > 1 else
          f"It grows by more than {STALE_MIN} points (one seed: not tested against noise)."
          if stale else
          f"**No measurable staleness** at this scale: the change is below {STALE_MIN} points "
@@ -173,8 +174,9 @@ def _verdict(results, summ) -> list[str]:
         f"it): {_pp(m_s, se_s)} points ({n_s} seeds)"
         + (", more than twice its standard error." if n_s > 1 and np.isfinite(se_s)
            and m_s > 2 * se_s else
-           ", within twice its standard error: not distinguishable from the drift with time."
-           if n_s > 1 else ".") + "\n")
+           ", within twice its standard error: at this scale the frozen variance goes stale "
+           "mostly with *time* (it was measured at the start of a long run), and the shift's own "
+           "addition is not distinguishable from seed noise." if n_s > 1 else ".") + "\n")
   for kind, name in (("zero_one", "0/1 Adam's refresh"), ("onebit_restart", "The restart remedy")):
     if kind not in summ or not summ[kind]["after"]:
       continue
@@ -218,8 +220,11 @@ def _advice(results, summ) -> list[str]:
   return [
       "## What a user can do today\n",
       "When the data distribution changes at a known step (a new mixture, a fine-tuning "
-      "stage), start a **new** `onebit_adam` state from the current parameters: its "
-      "full-precision warmup measures the new variance and its freeze rule freezes it again. "
+      "stage), or a run is long compared with the warmup the variance was frozen after, start "
+      "a **new** `onebit_adam` state from the current parameters: its "
+      "full-precision warmup measures the current variance and its freeze rule freezes it "
+      "again. (Measured here only at the shift; a restart without a shift, i.e. against the "
+      "time drift of the control alone, was not run.) "
       f"Here its gap to AdamW after the shift was {_fmt(*summ['onebit_restart']['after_ms'][:2], 2, True)}"
       f" (the frozen variance's: {_fmt(*summ['onebit']['after_ms'][:2], 2, True)}; both before the "
       f"shift: {_fmt(*summ['onebit']['before_ms'][:2], 2, True)}; paired difference "
