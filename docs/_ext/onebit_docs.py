@@ -66,6 +66,9 @@ RESULT_TITLES = {
     "comm_throughput_rates": "Throughput at three link rates",
     "comm_throughput_hier": "Hierarchical averaging, 2 nodes x 2 processes",
     "comm_throughput_zero_one": "0/1 Adam by phase, 1 Gbit/s links, 4 processes",
+    "convergence_zero_one": "Convergence: 0/1 Adam against AdamW and 1-bit Adam",
+    "data_shift": "A data shift half-way: does the frozen variance go stale?",
+    "zero_one_compute": "0/1 Adam's compute per kind of step",
     "scaling_model": "Scaling to cluster shapes (a model)",
     "bounded_update": "Bounding the frozen-variance update",
     "wire_overhead": "Wire overhead and the exact-leaf threshold",
@@ -237,6 +240,17 @@ def _first_heading(text: str) -> str | None:
   return match.group(1).strip() if match else None
 
 
+def _script_of(name: str) -> str:
+  """The benchmark that writes NAME.md: the longest prefix of NAME (at '_') with a script."""
+  parts = name.split("_")
+  for end in range(len(parts), 0, -1):
+    stem = "_".join(parts[:end])
+    if (ROOT / "benchmarks" / f"{stem}.py").exists():
+      return stem
+  raise ValueError(f"no benchmarks/*.py writes benchmarks/results/{name}.md: name the results "
+                   "file after its script (NAME or NAME_suffix)")
+
+
 def result_page(name: str) -> str:
   """The page of ``benchmarks/results/NAME.md``: title, intro, source line, the file."""
   text = (RESULTS / f"{name}.md").read_text(encoding="utf-8").strip()
@@ -249,7 +263,7 @@ def result_page(name: str) -> str:
   lines = [f"# {title}", ""]
   if name in RESULT_INTROS:
     lines += [RESULT_INTROS[name], ""]
-  script = name.split("_quick")[0].split("_rates")[0].split("_hier")[0]
+  script = _script_of(name)
   committed = _last_commit(RESULTS / f"{name}.md")
   lines += [
       f"*Generated from `benchmarks/results/{name}.md`, written by "
