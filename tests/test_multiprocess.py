@@ -151,9 +151,12 @@ _SLEEPER = textwrap.dedent("""
 def _start_sleepers(tmp_path, nproc):
   script = tmp_path / "sleeper.py"
   script.write_text(_SLEEPER)
+  # Ctrl-C's default action for the launcher: a suite started in the background by a
+  # non-interactive shell (`cmd &`) runs with SIGINT ignored, and Python keeps it ignored.
   launcher = subprocess.Popen(
       LAUNCH + ["--nproc", str(nproc), "--timeout", "120", str(script), str(tmp_path)],
-      cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   deadline = time.monotonic() + 60
   files = [tmp_path / f"pids_{rank}" for rank in range(nproc)]
   while not all(f.exists() for f in files):
