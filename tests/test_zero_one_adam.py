@@ -37,6 +37,7 @@ SHAPES = {"a": (100,), "b": (20,), "g": (), "w": (60, 20)}
 NAMES = sorted(SHAPES)
 SIZES = [int(np.prod(SHAPES[k], dtype=int)) for k in NAMES]
 B1, B2, EPS, LR, WD, FLOOR = 0.9, 0.99, 1e-8, 0.05, 0.01, 0.01
+BOUND = F32(max(1.0, (1 - B1) / np.sqrt(1 - B2)))  # Adam's step bound (Kingma & Ba, Sec. 2.1)
 KAPPA = 3  # variance steps 1-3, then 4, 6, 8, then 12, 16, 20, ... (interval 1, 2, 4, ...)
 FREEZE = 14  # last step that may update the variance
 TOL = 2e-5  # of the largest |value| of the compared tree
@@ -157,15 +158,14 @@ class _Simulation:
     return [{k: (self.c[k][i] * ((self.p[k] + self.acc[i][k] if local else self.p[k])
                                  - self.t[k][i])).astype(F32) for k in NAMES} for i in range(N)]
 
-  def _direction(self, m, k, bc1, bc2, bounded):
+  def _direction(self, m, k, bc1, bc2, bounded, clip=True):
     nu = self.nu[k]
     v_hat = nu / bc2
     if bounded:
       v_hat = np.maximum(v_hat, F32(FLOOR) * self.nu_l1[k] / (F32(max(nu.size, 1)) * bc2))
     step = (m / bc1) / (np.sqrt(v_hat) + F32(EPS))
-    if bounded:
-      bound = F32(max(1.0, (1 - B1) / np.sqrt(1 - B2)))
-      step = np.clip(step, -bound, bound)
+    if bounded and clip:
+      step = np.clip(step, -BOUND, BOUND)
     return np.where(nu > 0, step, F32(0)).astype(F32)
 
   def _apply(self, directions):
@@ -229,7 +229,8 @@ class _Simulation:
       for k in NAMES:
         base = self.mu[k] if fresh else self.local_mu[i][k]
         m = (F32(B1) * base + F32(1 - B1) * grads[i][k]).astype(F32)
-        d = self._direction(m, k, bc1, bc2, True)
+        # Floored, not clipped: the bound applies to the sync's move (below).
+        d = self._direction(m, k, bc1, bc2, True, clip=False)
         theta = self.p[k] + self.acc[i][k]
         self.local_mu[i][k] = m
         if k in DECAYED:
@@ -254,7 +255,11 @@ class _Simulation:
         self.mu[k] = (-mean[k] * bc1 / self.lr_sum).astype(F32)
         if k in DECAYED:
           self.mu[k] = (self.mu[k] - F32(WD) * self.p[k] * denominator[k] * bc1).astype(F32)
-        move = np.where(self.nu[k] > 0, mean[k] / denominator[k], F32(0)).astype(F32)
+        # The move, its step part (weight decay taken out) within +-BOUND * lr_sum.
+        decay = F32(WD) * self.lr_sum * self.p[k] if k in DECAYED else F32(0)
+        limit = F32(BOUND) * self.lr_sum
+        move = np.clip(mean[k] / denominator[k] + decay, -limit, limit) - decay
+        move = np.where(self.nu[k] > 0, move, F32(0)).astype(F32)
         if self.H is None:  # the transformation returns -move, the chain scales it by -LR
           move = ((-F32(LR)) * (-move)).astype(F32)
         self.p[k] = (self.p[k] + move).astype(F32)
