@@ -105,13 +105,14 @@ FREEZE_FRACTIONS = (0.05, 0.10, 0.15, 0.25)
 # The 0/1 Adam parameter study: (label, options); var_freeze_step in units of the
 # LR warmup W (an int multiple), the rest as zero_one_adam takes them.
 ZERO_ONE_GRID = (
-    ("T_v=W, kappa=16, H=16/8", dict(var_freeze_step=1, var_update_scaler=16, local_steps=16,
-                                     local_step_scaler=8)),
-    ("T_v=W, kappa=4, H=16/8", dict(var_freeze_step=1, var_update_scaler=4, local_steps=16,
-                                    local_step_scaler=8)),
+    ("T_v=W, kappa=1, no H", dict(var_freeze_step=1, var_update_scaler=1)),
     ("T_v=W, kappa=4, no H", dict(var_freeze_step=1, var_update_scaler=4)),
+    ("T_v=W, kappa=1, H=2/32", dict(var_freeze_step=1, var_update_scaler=1, local_steps=2,
+                                    local_step_scaler=32)),
+    ("T_v=W, kappa=1, H=4/32", dict(var_freeze_step=1, var_update_scaler=1, local_steps=4,
+                                    local_step_scaler=32)),
 )
-QUICK_ZERO_ONE_GRID = (ZERO_ONE_GRID[1], ZERO_ONE_GRID[2])  # H and no H
+QUICK_ZERO_ONE_GRID = (ZERO_ONE_GRID[0], ZERO_ONE_GRID[2])  # no H and H
 MAX_EXTENSIONS = 2  # learning rates added to the AdamW sweep when its best is at an edge.
 EVAL_SEED_OFFSET = 1000  # evaluation seeds: disjoint from the selection seeds 0, 1, ...
 

@@ -57,8 +57,16 @@ def _convergence_rows(link) -> list[str]:
 
 
 def _zero_one_convergence_rows(link) -> list[str]:
-  """0/1 Adam (its chosen defaults) against AdamW and 1-bit Adam: convergence_zero_one.json."""
-  data = _load("convergence_zero_one")
+  """0/1 Adam (its chosen defaults) against AdamW and 1-bit Adam.
+
+  From convergence.json when its run evaluated 0/1 Adam (the full protocol),
+  else from convergence_zero_one.json (a ``--name convergence_zero_one`` run).
+  """
+  stem = "convergence"
+  data = _load(stem)
+  if data is None or not any("zero_one" in t.get("eval", {}) for t in data["tasks"]):
+    stem = "convergence_zero_one"
+    data = _load(stem)
   if data is None:
     return []
   rows = []
@@ -79,7 +87,7 @@ def _zero_one_convergence_rows(link) -> list[str]:
         f"{paired['mean']:+.2f}% (s.e. {paired['se']:.2f}%), "
         f"{mean(ev['adamw']) / sent:.1f}x fewer bytes than AdamW, "
         f"{mean(ev['onebit']) / sent:.1f}x fewer than 1-bit Adam, {rounds:.0f} rounds of "
-        f"{task['steps']} | {link('convergence_zero_one')} ({data['meta']['git']}) |")
+        f"{task['steps']} | {link(stem)} ({data['meta']['git']}) |")
   return rows
 
 
