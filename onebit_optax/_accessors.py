@@ -9,21 +9,30 @@ import numpy as np
 from onebit_optax import _layout
 from onebit_optax import _wire
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
+from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 
 __all__ = ["is_frozen", "freeze_step", "variance_ratio", "wire_bytes", "skipped_steps",
            "moments"]
 
 
-def _find_state(opt_state) -> ScaleByOnebitAdamState:
-  found = [s for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda s: isinstance(s, ScaleByOnebitAdamState))
-           if isinstance(s, ScaleByOnebitAdamState)]
+def _find_state(opt_state, kinds=(ScaleByOnebitAdamState,)):
+  """The one state of ``kinds`` inside ``opt_state``."""
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
+           if isinstance(s, kinds)]
   if len(found) != 1:
+    names = " or ".join("1-bit Adam" if k is ScaleByOnebitAdamState else "0/1 Adam"
+                        for k in kinds)
+    makers = ("onebit_adam / scale_by_onebit_adam" if len(kinds) == 1 else
+              "onebit_adam, zero_one_adam or their scale_by_ transformations")
     raise ValueError(
-        f"Expected exactly one 1-bit Adam state inside the optimizer state, found "
-        f"{len(found)}. Pass the state returned by onebit_adam / scale_by_onebit_adam "
+        f"Expected exactly one {names} state inside the optimizer state, found "
+        f"{len(found)}. Pass the state returned by {makers} "
         "(possibly wrapped by optax.chain, inject_hyperparams, masked, ...).")
   return found[0]
+
+
+# Fields that 1-bit Adam's and 0/1 Adam's states both have.
+_EITHER = (ScaleByOnebitAdamState, ScaleByZeroOneAdamState)
 
 
 def _plain(x):
@@ -103,13 +112,15 @@ def wire_bytes(opt_state) -> jax.Array:
 
   Args:
     opt_state: the optimizer state, or any optax state that contains exactly one
-      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
-      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+      :class:`ScaleByOnebitAdamState` or :class:`ScaleByZeroOneAdamState`
+      (``optax.chain``, ``inject_hyperparams``, ``masked``, ...). Under ``pmap``
+      fields carry the device axis.
 
   Returns:
     A float32 scalar array: :math:`2\frac{n-1}{n}\,4D` for the float32
-    all-reduce of warmup, :func:`compressed_wire_bytes` in compression, 0 on
-    one device.
+    all-reduce of warmup (0/1 Adam: a variance step), the 1-bit exchange's bytes
+    in compression (0/1 Adam: a compressed step or a sync), 0 for a 0/1 Adam
+    local step and on one device.
 
   Example:
     >>> import jax.numpy as jnp, onebit_optax
@@ -117,7 +128,7 @@ def wire_bytes(opt_state) -> jax.Array:
     >>> float(onebit_optax.wire_bytes(tx.init({'w': jnp.ones(2)})))
     0.0
   """
-  return _plain(_find_state(opt_state).wire_bytes)
+  return _plain(_find_state(opt_state, _EITHER).wire_bytes)
 
 
 def skipped_steps(opt_state) -> jax.Array:
@@ -125,8 +136,9 @@ def skipped_steps(opt_state) -> jax.Array:
 
   Args:
     opt_state: the optimizer state, or any optax state that contains exactly one
-      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
-      ``masked``, ...). Under ``pmap`` fields carry the device axis.
+      :class:`ScaleByOnebitAdamState` or :class:`ScaleByZeroOneAdamState`
+      (``optax.chain``, ``inject_hyperparams``, ``masked``, ...). Under ``pmap``
+      fields carry the device axis.
 
   Returns:
     An int32 scalar array.
@@ -139,7 +151,7 @@ def skipped_steps(opt_state) -> jax.Array:
     >>> int(onebit_optax.skipped_steps(state))
     1
   """
-  return _plain(_find_state(opt_state).skipped_steps)
+  return _plain(_find_state(opt_state, _EITHER).skipped_steps)
 
 
 def _layout_of(params, message, num_compressed: int) -> _layout.WireLayout:

@@ -315,19 +315,25 @@ def scale_by_zero_one_adam(
   after every ``var_update_scaler`` (:math:`\kappa`) variance steps
   (DeepSpeed's rule: steps 1-16, 18, 20, ..., 48, 52, ...).
 
-  **Compressed step** (every other step): each device's gradient goes through
-  the error-compensated 1-bit mean (one uint8 ``all_to_all`` and one uint8
-  ``all_gather``, one RMS scale per leaf piece, leaves smaller than
-  ``exact_below`` exact) and only :math:`m` moves:
+  **Compressed step** (every other step): each device's *momentum* goes
+  through the error-compensated 1-bit mean (one uint8 ``all_to_all`` and one
+  uint8 ``all_gather``, one RMS scale per leaf piece, leaves smaller than
+  ``exact_below`` exact), as in 1-bit Adam's compression phase, and only
+  :math:`m` moves:
 
   .. math::
 
-    \hat g = \mathrm{compressed\_mean}_i(g_i + e_i), \quad
-    m \leftarrow \beta_1 m + (1-\beta_1)\hat g, \quad
+    m \leftarrow \mathrm{compressed\_mean}_i\big(\beta_1 m + (1-\beta_1) g_i + e_i\big), \quad
     d_t = \mathrm{clip}\Big(\frac{m/(1-\beta_1^t)}{\sqrt{\max(\hat v, f\,\overline{\hat v}_\ell)}+\epsilon}, \pm B\Big),
 
-  :math:`v` held fixed, so the update is linear in the gradient between two
-  variance steps and the error feedback :math:`e_i` cancels. The floor
+  :math:`v` held fixed, so the update is linear in the momentum between two
+  variance steps and the error feedback :math:`e_i` cancels. DeepSpeed
+  compresses the gradient here (:math:`m \leftarrow \beta_1 m +
+  (1-\beta_1)\,\mathrm{compressed\_mean}_i(g_i + e_i)`); sign compression of
+  the raw gradients, whose signs disagree across devices, is not contractive
+  and cost the char GPT of ``benchmarks/convergence.py`` with :math:`T_v` = the
+  whole run (every step variance or compressed) +8.0% validation loss against
+  AdamW, the momentum +1.5% (3 seeds; CHANGELOG). The floor
   :math:`f` = ``variance_floor`` (relative to the mean of the coordinate's
   leaf) and the clip :math:`B` = ``max_update`` (default: Adam's own bound,
   :func:`adam_update_bound`) keep a coordinate with a tiny :math:`v` from
@@ -345,7 +351,8 @@ def scale_by_zero_one_adam(
   (T_v = 15 of 300, the first version of this code) cost +28% held-out loss
   against AdamW (3 seeds), these syncs -1.9 ± 7.2% (6 seeds, within their
   spread; ``benchmarks/results/zero_one_volume.md``). The error feedback
-  restarts at the first of them (its buffers held the gradients' errors).
+  restarts at the first of them (its buffers held the compressed steps'
+  errors, in other units).
 
   **Local steps** (``local_steps=H``, after :math:`T_v`): each device runs its
   own Adam step on its own copy of the parameters,
@@ -485,13 +492,13 @@ def zero_one_adam(
     skip_nonfinite: bool = True,
     exact_below: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
-  r"""0/1 Adam (Lu et al., 2023): 1-bit gradients between exponentially spaced variance steps.
+  r"""0/1 Adam (Lu et al., 2023): 1-bit momentum between exponentially spaced variance steps.
 
   Without local steps (the default): a chain of :func:`scale_by_zero_one_adam`
   (with the decoupled weight decay of :func:`optax.adamw` inside it, so that a
   skipped step leaves the parameters exactly as they were) and
   :func:`optax.scale_by_learning_rate`. The parameters stay replicated,
-  bitwise identical on every device: variance steps, 1-bit compressed gradient
+  bitwise identical on every device: variance steps, 1-bit compressed momentum
   steps between them, and after ``var_freeze_step`` a 1-bit sync of the step
   every step.
 

@@ -302,10 +302,9 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   all-reduce), Adam's ``m`` and ``v``, Adam's step (floored and clipped once
   compressed steps have fed ``m``).
 
-  **Compressed step**: each device's gradient through the 1-bit mean with
-  error feedback, :math:`u_i = g_i + e_i`, :math:`\hat g =
-  \mathrm{compressed\_mean}_i(u_i)`, :math:`m = \beta_1 m + (1-\beta_1)\hat g`,
-  ``v`` unchanged.
+  **Compressed step**: each device's momentum through the 1-bit mean with
+  error feedback, :math:`u_i = \beta_1 m + (1-\beta_1) g_i + e_i`,
+  :math:`m = \mathrm{compressed\_mean}_i(u_i)`, ``v`` unchanged.
 
   **Local step** (no communication), or a **sync**: the local step, then the
   1-bit mean of the progress (:func:`_momentum_after_sync`). Without local
@@ -336,11 +335,13 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
     new_mu, acc = jax.lax.optimization_barrier((new_mu, acc))
   denominators = _preconditioners(hp, plan, nus, state.nu_l1, bc2)
   scaled = [a * q for a, q in zip(acc, denominators)]
-  sent = [jnp.where(is_comp, g32[i][None] + feedback(state.local_sent[k], state.worker_scale[0, k]),
+  # A compressed step sends each device's momentum (as 1-bit Adam does), not its gradient.
+  local_momentum = [hp.b1 * m + (1.0 - hp.b1) * g for m, g in zip(mus, g32)]
+  sent = [jnp.where(is_comp, local_momentum[i][None] + feedback(state.local_sent[k], state.worker_scale[0, k]),
                     scaled[i][None] + feedback(state.local_sent[k], state.worker_scale[0, k],
                                                jnp.logical_not(sched.fresh)))
           for k, i in enumerate(layout.compressed)]
-  exact = [jnp.where(is_comp, g32[i], scaled[i]) for i in layout.exact]
+  exact = [jnp.where(is_comp, local_momentum[i], scaled[i]) for i in layout.exact]
   server = (None if state.server_error is None  # (fresh: a local-phase step)
             else jnp.where(sched.fresh, 0.0, state.server_error).astype(state.server_error.dtype))
   total, gathered, scales, server_error, finite = _collectives(
@@ -362,7 +363,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   bc2_here = jnp.where(is_var, bias_correction(hp.b2, state.variance_updates + 1), bc2)
   bounded = jnp.where(is_var, state.variance_updates < state.count, True)
   floor = floors(hp, plan, nu_l1, bc2_here)
-  mu_vc = [m if empty[i] else jnp.where(finite, hp.b1 * m + (1.0 - hp.b1) * g, m)
+  mu_vc = [m if empty[i] else jnp.where(finite, jnp.where(is_var, hp.b1 * m + (1.0 - hp.b1) * g, g), m)
            for i, (m, g) in enumerate(zip(mus, avg))]
   # Local-phase steps: nothing moves but this device's progress, or the sync (v unchanged).
   denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2)

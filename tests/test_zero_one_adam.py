@@ -42,6 +42,7 @@ KAPPA = 3  # variance steps 1-3, then 4, 6, 8, then 12, 16, 20, ... (interval 1,
 FREEZE = 14  # last step that may update the variance
 TOL = 2e-5  # of the largest |value| of the compared tree
 DECAYED = ("a", "w")  # weight decay on these leaves only (the mask)
+SIM_SEED = 1  # the problem of the comparison with the simulation (see there)
 
 
 def _problem(seed=0):
@@ -207,14 +208,17 @@ class _Simulation:
     return mean
 
   def _compressed(self, t):
+    """Each device's momentum (not its gradient) through the 1-bit mean; v unchanged."""
     grads = self.grads(False)
-    sent = [{k: (grads[i][k] + self._feedback(i, k)).astype(F32) for k in self.wire.compressed}
+    local = [{k: (F32(B1) * self.mu[k] + F32(1 - B1) * grads[i][k]).astype(F32) for k in NAMES}
+             for i in range(N)]
+    sent = [{k: (local[i][k] + self._feedback(i, k)).astype(F32) for k in self.wire.compressed}
             for i in range(N)]
-    mean = self._exchange(sent, [{k: grads[i][k] for k in self.wire.exact} for i in range(N)])
+    mean = self._exchange(sent, [{k: local[i][k] for k in self.wire.exact} for i in range(N)])
     bc1, bc2 = F32(1) - F32(B1) ** t, F32(1) - F32(B2) ** self.var_updates
     d = {}
     for k in NAMES:
-      self.mu[k] = (F32(B1) * self.mu[k] + F32(1 - B1) * mean[k]).astype(F32)
+      self.mu[k] = mean[k]
       d[k] = self._direction(self.mu[k], k, bc1, bc2, True)
     self._apply(d)
 
@@ -369,7 +373,7 @@ def _check_against(sim, params, opt_state, at):
           np.testing.assert_allclose(np.asarray(field[k])[d], expected[d][k], rtol=0,
                                      atol=TOL * scale, err_msg=f"{name}[{k}] device {d} {at}")
   assert onebit_optax.zero_one_phase(opt_state) == sim.phase, at
-  assert float(s.wire_bytes) == pytest.approx(sim.wire_bytes), at
+  assert float(onebit_optax.wire_bytes(opt_state)) == pytest.approx(sim.wire_bytes), at
 
 
 def _replicas(copies):
@@ -383,8 +387,11 @@ def _replicas(copies):
 def test_matches_numpy_simulation(H):
   """Variance steps (interval 1, 2, 4), compressed steps, the freeze (then syncs); with H: local steps."""
   steps = 26 if H is None else 34
-  step, params, state, c, t = _start(H)
-  params0, c_np, t_np = _problem()
+  # Seed 1: no value sent comes within 2e-6 of its scale of 0, where the last
+  # bit of rounding (numpy vs XLA's fused multiply-adds) could flip its sign
+  # (seed 0 comes within 1.3e-7 at step 22 without H; asserted below).
+  step, params, state, c, t = _start(H, seed=SIM_SEED)
+  params0, c_np, t_np = _problem(SIM_SEED)
   sim = _Simulation(params0, c_np, t_np, H=H, scaler=4)
   phases = []
   for n in range(steps):
@@ -393,6 +400,7 @@ def test_matches_numpy_simulation(H):
     phases.append(sim.phase[0])
     _check_against(sim, params, state, f"after step {n + 1} ({sim.phase})")
     _replicas(copies)
+  assert sim.wire.margin > 1e-6, sim.wire.margin  # the comparison was not a coin toss
   # Variance steps 1-3 (interval 1), 4, 6, 8 (2), 12 (4); frozen after 14. Local steps:
   # the sync interval doubles every 4 local-phase steps, up to H = 4.
   expected = "vvvvcvcvcccvcc" + ("s" * 12 if H is None else "ssss" + "ls" * 2 + "llls" * 3)
@@ -597,7 +605,8 @@ def test_nonfinite_steps_are_skipped_on_every_device():
       params, state, _ = step(params, state, c, t_bad)
     params, state, _ = step(params, state, c, t)
     clean_params, clean_state, _ = step(clean_params, clean_state, c, t)
-  assert int(_inner(state).skipped_steps) == 3 and int(_inner(clean_state).skipped_steps) == 0
+  assert int(onebit_optax.skipped_steps(state)) == 3
+  assert int(onebit_optax.skipped_steps(clean_state)) == 0
   same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
                       (params, _inner(state)._replace(skipped_steps=0)),
                       (clean_params, _inner(clean_state)))
