@@ -271,6 +271,15 @@ def _points(cfg):
   return pts
 
 
+def _run_commits(runs) -> str:
+  """Which commit each kind's runs ran at (runs of older invocations did not record it)."""
+  by_kind = {}
+  for r in runs:
+    by_kind.setdefault(r["kind"], set()).add(r.get("git", "its invocation's commit"))
+  return "Runs' code: " + "; ".join(f"{k} at {', '.join(sorted(v))}"
+                                    for k, v in sorted(by_kind.items())) + "."
+
+
 def write(results, out: str) -> None:
   """Writes ``out``.md and ``out``.png from ``results`` (and the summary into the json's dict)."""
   cfg, meta = results["config"], results["meta"]
@@ -295,7 +304,8 @@ def write(results, out: str) -> None:
            f" -> `{i.get('uptime_end', '?').split('load average: ')[-1]}`"
            for i in meta["invocations"]) + ".  "] if len(meta.get("invocations", [])) > 1 else []),
        f"Finished runs: {len(finished)} of {len(results['runs'])} started "
-       f"({', '.join(f'{k}/{s}' for k, s in finished)}).\n",
+       f"({', '.join(f'{k}/{s}' for k, s in finished)}).  ",
+       _run_commits(results["runs"]) + "\n",
        "## Setup\n",
        f"Char GPT of `benchmarks/_convergence_model.py`: d_model {cfg['d_model']}, "
        f"{cfg['layers']} layers, {cfg['heads']} heads, context {cfg['seq_len']}, "

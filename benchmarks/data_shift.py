@@ -323,7 +323,7 @@ def run_one(trainer, kind, seed, results, save, branch=None):
   T, E, half = cfg["steps"], cfg["eval_every"], cfg["steps"] // 2
   wall0 = time.time()
   rec = dict(kind=kind, seed=seed, steps=[], val_prose=[], val_code=[], train_loss=[],
-             bytes=[], v_hat=[], info=[], done=False)
+             bytes=[], v_hat=[], info=[], done=False, git=_provenance.git_commit())
   results["runs"].append(rec)
   shift_params = None
   if branch is None:
@@ -384,6 +384,9 @@ def main(argv=None):
   parser.add_argument("--append", action="store_true",
                       help="add the runs (kind, seed) not yet done to the existing json (same "
                       "configuration); each invocation is recorded")
+  parser.add_argument("--rerun", action="store_true",
+                      help="with --append: drop the stored runs of --kinds (those seeds) and run "
+                      "them again, e.g. after a change of that optimizer")
   parser.add_argument("--out", default=os.path.join(RESULTS, "data_shift"),
                       help="path prefix of the .json/.md/.png")
   parser.add_argument("--report-only", action="store_true")
@@ -393,6 +396,8 @@ def main(argv=None):
       results = json.load(f)
     _shift_report.write(results, args.out)
     return
+  if args.rerun and not args.append:
+    raise SystemExit("--rerun replaces stored runs: give it with --append")
   if args.quick:
     args.steps, args.seeds, args.eval_every, args.val_seqs = 200, [0], 25, 64
   steps = args.steps
@@ -431,7 +436,8 @@ def main(argv=None):
     if old != cfg:
       raise SystemExit(f"--append: the configuration differs from {out}.json's: "
                        f"{ {k: (old.get(k), v) for k, v in cfg.items() if old.get(k) != v} }")
-    results["runs"] = [r for r in results["runs"] if r["done"]]
+    results["runs"] = [r for r in results["runs"] if r["done"] and not (
+        args.rerun and r["kind"] in args.kinds and r["seed"] in args.seeds)]
     results["meta"].setdefault("invocations", [
         {k: results["meta"][k] for k in ("command", "git", "started", "uptime_start",
                                          "uptime_end", "wall_s")}])
