@@ -176,8 +176,13 @@ def _preconditioners(hp: Hyper, plan: Plan, nus, nu_l1, bc2) -> list:
   return [jnp.sqrt(jnp.maximum(v / bc2, floor[i])) + hp.eps for i, v in enumerate(nus)]
 
 
-def _local_progress(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params, bc2):
-  r"""This device's own step: :math:`m_i = \beta_1 m_i + (1-\beta_1) g_i`, :math:`a_i \mathrel{+}= -\eta(d_i + \lambda\theta_i)`.
+def _momentum(hp: Hyper, base, g):
+  r"""A device's momentum after its own gradient, :math:`\beta_1 m + (1-\beta_1) g_i`."""
+  return hp.b1 * base + (1.0 - hp.b1) * g.astype(F32)
+
+
+def _progress(hp: Hyper, plan: Plan, i, m, nu, denominator, bc1, a, param, lr):
+  r"""This device's progress after its own step: :math:`a_i - \eta(d_i + \lambda\theta_i)`.
 
   :math:`d_i = \hat m_i/(\sqrt{\max(\hat v, f\bar{\hat v})}+\epsilon)` is
   floored but not clipped: a device's own gradient is noisier than the mean
@@ -189,23 +194,44 @@ def _local_progress(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params
   device's copy of the parameters (:func:`zero_one_local_params`); the
   parameters themselves do not move.
   """
+  d = jnp.where(nu > 0, (m / bc1) / denominator, 0.0)
+  theta = a if param is None else param.astype(F32) + a
+  if plan.decays(i):
+    d = d + hp.weight_decay * theta
+  return a - lr * d
+
+
+def _outgoing(hp: Hyper, plan: Plan, g32, state, sched: Schedule, params, bc1, bc2) -> list:
+  r"""Per leaf, the one full-size value computed before the conditional, from the old state alone.
+
+  A compressed step: the momentum :math:`\beta_1 m + (1-\beta_1) g_i + e_i`
+  (as 1-bit Adam sends it, not the gradient); a sync: :math:`a_i(\sqrt{\hat v}+\epsilon)
+  + e_i` (:math:`a_i` the progress after this step; exact leaves: no
+  :math:`e_i`); a local step without sync: :math:`a_i` itself, the new
+  accumulator. It is the one buffer that the 1-bit message, ``local_sent`` and
+  ``accumulator`` all read: each of those is then one pass over it, and the
+  writers after the conditional read no old ``accumulator``, ``local_mu`` or
+  ``local_sent`` but their own (XLA copies a donated buffer that a fusion not
+  ordered before its writer still reads: 3 D of copies per local step before,
+  ``benchmarks/results/zero_one_compute.md``).
+  """
   mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
   local_mu, acc = leaves_or_none(state.local_mu), leaves_or_none(state.accumulator)
   denominators = _preconditioners(hp, plan, nus, state.nu_l1, bc2)
-  bc1 = bias_correction(hp.b1, sched.count)
-  new_mu, new_acc = [], []
-  for i, g in enumerate(grads):
+  is_comp, out = sched.kind == COMPRESSED, []
+  for i, g in enumerate(g32):
+    kind = plan.kind(i)
     # The momentum and progress since the last sync (none kept: a sync every step).
     base = mus[i] if local_mu is None else jnp.where(sched.fresh, mus[i], local_mu[i][0])
-    a = 0.0 if acc is None else acc[i][0]
-    m = hp.b1 * base + (1.0 - hp.b1) * g.astype(F32)
-    d = jnp.where(nus[i] > 0, (m / bc1) / denominators[i], 0.0)
-    theta = a if params is None else params[i].astype(F32) + a
-    new_mu.append(m)
-    if plan.decays(i):
-      d = d + hp.weight_decay * theta
-    new_acc.append(a - sched.lr * d)
-  return new_mu, new_acc
+    a = _progress(hp, plan, i, _momentum(hp, base, g), nus[i], denominators[i], bc1,
+                  0.0 if acc is None else acc[i][0], None if params is None else params[i], sched.lr)
+    moved, scaled = _momentum(hp, mus[i], g), a * denominators[i]
+    if kind[0] == "c":
+      sent, scale = state.local_sent[kind[1]][0], state.worker_scale[0, kind[1]]
+      moved = moved + feedback(sent, scale)
+      scaled = scaled + feedback(sent, scale, jnp.logical_not(sched.fresh))
+    out.append(jnp.where(is_comp, moved, jnp.where(sched.sync, scaled, a)))
+  return out
 
 
 def _momentum_after_sync(hp: Hyper, plan: Plan, i, avg, denominator, bc1, lr_sum, params):
@@ -295,6 +321,72 @@ def _collectives(hp: Hyper, plan: Plan, state, sched: Schedule, g32, sent, exact
   return jax.lax.switch(sched.kind, [variance, onebit, local], g32, sent, exact, server)
 
 
+def _new_nu(hp: Hyper, nus, mean, is_var, finite) -> list:
+  """``v`` after a variance step with the float32 mean gradient ``mean`` (else unchanged)."""
+  return [jnp.where(is_var & finite, hp.b2 * v + (1.0 - hp.b2) * jnp.square(g), v)
+          for v, g in zip(nus, mean)]
+
+
+def _new_mu(hp: Hyper, plan: Plan, state, sched: Schedule, avg, nu, finite, bc1, bc2, params):
+  """``m`` after a variance step (Adam's), a compressed step (the mean), a sync (restarted), a local step (kept)."""
+  denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2)
+  lr_sum = state.lr_sum + sched.lr
+  out = []
+  for i, (m, a) in enumerate(zip(jax.tree.leaves(state.mu), avg)):
+    if plan.kind(i)[0] == "z":
+      out.append(m)
+      continue
+    moved = jnp.where(finite, jnp.where(sched.kind == VARIANCE, hp.b1 * m + (1.0 - hp.b1) * a, a), m)
+    synced = jnp.where(finite & (lr_sum > 0), _momentum_after_sync(
+        hp, plan, i, a, denominators[i], bc1, lr_sum, params), m)
+    local = synced if hp.local_steps is None else jnp.where(sched.sync, synced, m)
+    out.append(jnp.where(sched.kind == LOCAL, local, moved))
+  return out
+
+
+def _sync_updates(hp: Hyper, plan: Plan, state, sched: Schedule, avg, nu, finite, bc2, params):
+  """The update of a local-phase step: the sync's move (negated without local steps), else 0."""
+  denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2)
+  lr_sum = state.lr_sum + sched.lr
+  out = []
+  for i, (v, a) in enumerate(zip(nu, avg)):
+    move = _zeros_like(v) if plan.kind(i)[0] == "z" else jnp.where(
+        finite & (v > 0), _sync_move(hp, plan, i, a, denominators[i], lr_sum, params), 0.0)
+    out.append(-move if hp.local_steps is None else jnp.where(sched.sync, move, 0.0))
+  return out
+
+
+def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, mu, nu, avg, nu_l1, finite, bc1, bc2,
+             params) -> list:
+  """Adam's (bounded) step from the new ``m`` and ``v``, or a local-phase step's update."""
+  is_var = sched.kind == VARIANCE
+  bc2_here = jnp.where(is_var, bias_correction(hp.b2, state.variance_updates + 1), bc2)
+  bounded = jnp.where(is_var, state.variance_updates < state.count, True)
+  floor = floors(hp, plan, nu_l1, bc2_here)
+  dirs = [_zeros_like(m) if plan.kind(i)[0] == "z" else
+          direction(hp, m, v, bc1, bc2_here, floor[i], bounded, finite)
+          for i, (m, v) in enumerate(zip(mu, nu))]
+  moved = _scaled(hp, plan, dirs, params, sched, finite)
+  synced = _sync_updates(hp, plan, state, sched, avg, nu, finite, bc2, params)
+  return [jnp.where(sched.kind == LOCAL, s, u) for s, u in zip(synced, moved)]
+
+
+def _per_device(hp: Hyper, plan: Plan, state, sched: Schedule, g32, mu, outgoing):
+  """``local_mu`` and ``accumulator`` after a local step (``outgoing`` is the progress) or a sync."""
+  if hp.local_steps is None:
+    return None, None
+  vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
+  is_local, local_mu, acc = sched.kind == LOCAL, [], []
+  for i, (g, m, a) in enumerate(zip(g32, mu, outgoing)):
+    old_mu, old_acc = jax.tree.leaves(state.local_mu)[i], jax.tree.leaves(state.accumulator)[i]
+    # The first local step starts from the synced m, which a local step keeps: mu is its value.
+    # (In the buffer's own shape: a fusion reading it through a reshape cannot write it in place.)
+    own = _momentum(hp, jnp.where(sched.fresh, m[None], old_mu), g[None])
+    local_mu.append(jnp.where(is_local, jnp.where(sched.sync, vary(m), own), old_mu))
+    acc.append(jnp.where(is_local, jnp.where(sched.sync, vary(jnp.zeros_like(a)), a[None]), old_acc))
+  return local_mu, acc
+
+
 def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result:
   r"""One step of the kind ``sched.kind``: its collectives in a conditional, the full-size math outside.
 
@@ -317,88 +409,44 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   evaluates the elementwise formulas of all kinds and selects its kind's values
   with ``jnp.where`` on replicated scalars, which measured cheaper than a
   conditional over the full-size state (``benchmarks/zero_one_compute.py``).
-  The values are those of the earlier per-kind branches up to the rounding of
-  fused multiply-adds, which XLA:CPU contracts differently in other fusions.
+  The data flow is laid out so that XLA writes every donated buffer in place,
+  with no copy: one buffer computed from the old state before the conditional
+  (:func:`_outgoing`), then ``v``, then ``m``, then what reads them; every
+  later reader takes ``v``'s and ``m``'s successors (the same values where they
+  are read), never the old buffers that their writers overwrite. The values
+  are those of the earlier per-kind branches up to the rounding of fused
+  multiply-adds, which XLA:CPU contracts differently in other fusions.
   """
-  layout = plan.layout
-  is_var, is_comp = sched.kind == VARIANCE, sched.kind == COMPRESSED
-  is_local = sched.kind == LOCAL
-  synced = is_local & sched.sync
-  mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-  empty = [plan.kind(i)[0] == "z" for i in range(len(mus))]
+  is_var = sched.kind == VARIANCE
   g32 = [g.astype(F32) for g in grads]
   bc1 = bias_correction(hp.b1, sched.count)
   bc2 = bias_correction(hp.b2, state.variance_updates)  # v frozen: compressed, local, sync
-  # The local step's own progress and the sync's message (used on local-phase steps).
-  new_mu, acc = _local_progress(hp, plan, grads, state, sched, params, bc2)
-  if hp.local_steps is not None:  # (read after the conditional: materialized before it)
-    new_mu, acc = jax.lax.optimization_barrier((new_mu, acc))
-  denominators = _preconditioners(hp, plan, nus, state.nu_l1, bc2)
-  scaled = [a * q for a, q in zip(acc, denominators)]
-  # A compressed step sends each device's momentum (as 1-bit Adam does), not its gradient.
-  local_momentum = [hp.b1 * m + (1.0 - hp.b1) * g for m, g in zip(mus, g32)]
-  sent = [jnp.where(is_comp, local_momentum[i][None] + feedback(state.local_sent[k], state.worker_scale[0, k]),
-                    scaled[i][None] + feedback(state.local_sent[k], state.worker_scale[0, k],
-                                               jnp.logical_not(sched.fresh)))
-          for k, i in enumerate(layout.compressed)]
-  exact = [jnp.where(is_comp, local_momentum[i], scaled[i]) for i in layout.exact]
+  outgoing = _outgoing(hp, plan, g32, state, sched, params, bc1, bc2)
+  sent = [outgoing[i][None] for i in plan.layout.compressed]
   server = (None if state.server_error is None  # (fresh: a local-phase step)
             else jnp.where(sched.fresh, 0.0, state.server_error).astype(state.server_error.dtype))
   total, gathered, scales, server_error, finite = _collectives(
-      hp, plan, state, sched, g32, sent, exact, server)
+      hp, plan, state, sched, g32, sent, [outgoing[i] for i in plan.layout.exact], server)
   if plan.axes.slow is None:  # one device: the sum is the gradient (no operand of the conditional)
     total = g32
     finite = jnp.where(is_var, _finite_mean(hp, plan, g32), finite)
   # The mean: float32 (variance step) or decoded from the 1-bit messages (fused into its consumers).
-  onebit_mean = _mean_of(plan, gathered, [jnp.shape(v) for v in nus])
-  avg = [jnp.where(is_var, t * (1.0 / plan.axes.n_slow), c) for t, c in zip(total, onebit_mean)]
-  # Later readers take mu's and nu's successors (the same values where they are
-  # read): a donated buffer that a fusion not ordered before its writer still
-  # reads costs XLA a copy of it. (XLA:CPU expands the optimization barriers
-  # before fusion; they still shape the passes before it.)
-  # Variance and compressed steps: the new moments and Adam's (bounded) step.
-  nu_v = [jnp.where(finite, hp.b2 * v + (1.0 - hp.b2) * jnp.square(g), v) for v, g in zip(nus, avg)]
-  nu = jax.lax.optimization_barrier([jnp.where(is_var, v_new, v) for v_new, v in zip(nu_v, nus)])
-  nu_l1 = jnp.where(is_var & finite, jnp.stack([jnp.sum(v) for v in nu_v]), state.nu_l1)
-  bc2_here = jnp.where(is_var, bias_correction(hp.b2, state.variance_updates + 1), bc2)
-  bounded = jnp.where(is_var, state.variance_updates < state.count, True)
-  floor = floors(hp, plan, nu_l1, bc2_here)
-  mu_vc = [m if empty[i] else jnp.where(finite, jnp.where(is_var, hp.b1 * m + (1.0 - hp.b1) * g, g), m)
-           for i, (m, g) in enumerate(zip(mus, avg))]
-  # Local-phase steps: nothing moves but this device's progress, or the sync (v unchanged).
-  denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2)
-  lr_sum = state.lr_sum + sched.lr
-  mu_s = [m if empty[i] else jnp.where(finite & (lr_sum > 0), _momentum_after_sync(
-      hp, plan, i, a, denominators[i], bc1, lr_sum, params), m)
-          for i, (m, a) in enumerate(zip(mus, avg))]
-  mu_l = mu_s if hp.local_steps is None else [jnp.where(sched.sync, ms, m)
-                                               for ms, m in zip(mu_s, mus)]
-  mu = jax.lax.optimization_barrier([jnp.where(is_local, ml, mvc) for ml, mvc in zip(mu_l, mu_vc)])
-  # mu and nu are now this step's: mu_vc and nu on variance and compressed steps.
-  dirs = [_zeros_like(m) if empty[i] else direction(hp, m, v, bc1, bc2_here, floor[i], bounded, finite)
-          for i, (m, v) in enumerate(zip(mu, nu))]
-  upd_vc = _scaled(hp, plan, dirs, params, sched, finite)
-  upd_s = [_zeros_like(v) if empty[i] else jnp.where(finite & (v > 0), _sync_move(
-      hp, plan, i, a, denominators[i], lr_sum, params), 0.0) for i, (v, a) in enumerate(zip(nu, avg))]
-  if hp.local_steps is None:
-    upd_l = [-u for u in upd_s]
-  else:
-    upd_l = [jnp.where(sched.sync, u, 0.0) for u in upd_s]
-  updates = [jnp.where(is_local, ul, uvc) for ul, uvc in zip(upd_l, upd_vc)]
+  mean = [t * (1.0 / plan.axes.n_slow) for t in total]
+  onebit_mean = _mean_of(plan, gathered, [jnp.shape(g) for g in g32])
+  avg = [jnp.where(is_var, t, c) for t, c in zip(mean, onebit_mean)]
+  nu = _new_nu(hp, jax.tree.leaves(state.nu), mean, is_var, finite)
+  # (summed from the new buffer, not from a second pass over the old one)
+  nu_l1 = jnp.where(is_var & finite, jnp.stack([jnp.sum(v) for v in nu]), state.nu_l1)
+  mu = _new_mu(hp, plan, state, sched, avg, nu, finite, bc1, bc2, params)
+  updates = _updates(hp, plan, state, sched, mu, nu, avg, nu_l1, finite, bc1, bc2, params)
   # A skipped step keeps what was sent before (its feedback stays valid), unless
   # that was the gradients' (a dropped first sync after the freeze).
-  active = is_comp | synced
+  active = (sched.kind == COMPRESSED) | ((sched.kind == LOCAL) & sched.sync)
   keep = lambda new, old: jnp.where(active, jnp.where(finite, new, jnp.where(
       sched.fresh, 0.0, old)), old).astype(old.dtype)
   local_sent = tuple(keep(u, old) for u, old in zip(sent, state.local_sent))
   wire = jnp.where(is_var, _bytes_allreduce(plan),
                    jnp.where(active, _bytes_onebit(plan), 0.0)).astype(F32)
-  local_mu = accumulator = None
-  if hp.local_steps is not None:
-    vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
-    local_mu = [jnp.where(is_local, jnp.where(sched.sync, vary(ms), m[None]), old)  # (mu: mu_s)
-                for ms, m, old in zip(mu, new_mu, jax.tree.leaves(state.local_mu))]
-    accumulator = [jnp.where(is_local, jnp.where(sched.sync, vary(jnp.zeros_like(a)), a[None]), old)
-                   for a, old in zip(acc, jax.tree.leaves(state.accumulator))]
+  local_mu, accumulator = _per_device(hp, plan, state, sched, g32, mu, outgoing)
   return Result(updates, mu, nu, nu_l1, local_sent, keep(scales, state.worker_scale), server_error,
                 local_mu, accumulator, finite, wire)
