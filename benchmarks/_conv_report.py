@@ -510,6 +510,24 @@ def _zero_one_effects(results) -> list[str]:
   return rows
 
 
+def _volume_floor(task: dict) -> str:
+  """How many 1-bit rounds 0/1 Adam may send to be ZERO_ONE_VOLUME x below 1-bit Adam (measured bytes)."""
+  best = task["best_lr"]
+  onebit = _mean_bytes(task["onebit"][best])
+  runs = [r for recs in task["zero_one_study"].values() for r in recs]
+  onebit_round = min((w for r in runs for w in r["wire"] if 0 < w < task["allreduce_bytes_per_step"] / 2),
+                     default=float("nan"))
+  budget = onebit / ZERO_ONE_VOLUME
+  fp32 = task["allreduce_bytes_per_step"]
+  spare = (budget - task["steps"] * onebit_round) / fp32
+  room = (f"room for {spare:.1f} float32 variance steps" if spare >= 0 else
+          f"over budget by {-spare:.1f} float32 steps' worth before any variance step")
+  return (f"{task['name']}: 1-bit Adam sent {onebit / 1e6:.1f} MB; {ZERO_ONE_VOLUME:g}x less is "
+          f"{budget / 1e6:.1f} MB = {budget / onebit_round:.0f} 1-bit rounds of "
+          f"{onebit_round / 1e3:.1f} kB (a float32 variance step costs {fp32 / onebit_round:.0f} "
+          f"of them); without local steps 0/1 Adam sends {task['steps']} 1-bit rounds: {room}")
+
+
 def _zero_one_study_section(add, results, heading="##"):
   first = results[0]
   chosen = first["zero_one_chosen"]
@@ -562,6 +580,8 @@ def _zero_one_study_section(add, results, heading="##"):
       f"{label}: {n}/{len(results)} (mean paired "
       f"{np.mean([zero_one_study_row(t, label)['gap'] for t in results]):+.2f}%)"
       for label, n in counts.items()) + f". Chosen: **{chosen}**.\n")
+  add("The volume goal in rounds (the bytes measured per round): " + "; ".join(
+      _volume_floor(t) for t in results) + ".\n")
   effects = _zero_one_effects(results)
   if effects:
     add("What each parameter does (pairs of settings that differ in it alone; bytes: the "
