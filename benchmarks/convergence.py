@@ -483,6 +483,8 @@ def main(argv=None):
   stem = os.path.join(args.out, args.name or ("convergence_quick" if args.quick
                                               else "convergence"))
   _conv_report.write_json(stem, results, meta)
+  if os.path.exists(stem + "_study.json"):
+    os.remove(stem + "_study.json")  # the checkpoint, now in the full json
   md = _conv_report.write(stem, results, meta)
   print()
   print(md)

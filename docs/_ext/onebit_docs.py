@@ -342,6 +342,14 @@ def _copy(src: Path, dst: Path) -> None:
     shutil.copyfile(src, dst)
 
 
+def _excerpt(name: str, command: str) -> str:
+  """``benchmarks/results/NAME.md`` with its headings nested under a guide's section."""
+  path = RESULTS / f"{name}.md"
+  if not path.exists():
+    return f"_Not generated yet: run `{command}`._"
+  return renumber_headings(path.read_text(encoding="utf-8"), top=3)
+
+
 def generate(docs: Path) -> None:
   """Writes the generated sources under the docs source folder ``docs``."""
   _write(docs / "api" / "index.md", api_index())
@@ -363,6 +371,9 @@ def generate(docs: Path) -> None:
   freeze_text = (renumber_headings(freeze.read_text(encoding="utf-8"), top=3)
                  if freeze.exists() else "_Not generated yet: run `python benchmarks/convergence.py`._")
   _write(docs / "guides" / "generated" / "freeze_study.inc", freeze_text + "\n")
+  # The 0/1 Adam study and the three optimizers (an excerpt too) for the 0/1 Adam guide.
+  _write(docs / "guides" / "generated" / "zero_one_study.inc", _excerpt(
+      "convergence_zero_one_summary", "python benchmarks/convergence.py") + "\n")
   notebook = NOTEBOOK.read_text(encoding="utf-8").replace("](../README.md)", "](../index.md)")
   _write(docs / "notebooks" / NOTEBOOK.name, notebook)
 
