@@ -10,11 +10,12 @@ LABELS = dict(
     adamw="AdamW (float32 pmean)",
     onebit="1-bit Adam, default freeze (frozen once)",
     zero_one="0/1 Adam, v refreshed (var_freeze_step = T)",
+    zero_one_step="0/1 Adam, v refreshed, per-step EMA (variance_ema='per_step')",
     onebit_restart="1-bit Adam, new state at the shift (remedy)",
     adamw_noshift="control: AdamW, no shift (prose throughout)",
     onebit_noshift="control: 1-bit Adam (default freeze), no shift",
 )
-MAIN = ("adamw", "onebit", "zero_one", "onebit_restart")
+MAIN = ("adamw", "onebit", "zero_one", "zero_one_step", "onebit_restart")
 
 
 def _base(kind):
@@ -120,7 +121,7 @@ def summary(results) -> dict:
     out[kind] = dict(before=before, after=after, delta=delta,
                      before_ms=_mean_se(before.values()), after_ms=_mean_se(after.values()),
                      delta_ms=_mean_se(delta.values()))
-  for kind in ("zero_one", "onebit_restart"):
+  for kind in ("zero_one", "zero_one_step", "onebit_restart"):
     if kind in out and "onebit" in out:
       a, b = out[kind]["after"], out["onebit"]["after"]
       d = {s: a[s] - b[s] for s in a if s in b}
@@ -177,7 +178,9 @@ def _verdict(results, summ) -> list[str]:
            ", within twice its standard error: at this scale the frozen variance goes stale "
            "mostly with *time* (it was measured at the start of a long run), and the shift's own "
            "addition is not distinguishable from seed noise." if n_s > 1 else ".") + "\n")
-  for kind, name in (("zero_one", "0/1 Adam's refresh"), ("onebit_restart", "The restart remedy")):
+  for kind, name in (("zero_one", "0/1 Adam's refresh"),
+                     ("zero_one_step", "0/1 Adam's refresh with the per-step EMA"),
+                     ("onebit_restart", "The restart remedy")):
     if kind not in summ or not summ[kind]["after"]:
       continue
     s = summ[kind]
@@ -198,7 +201,7 @@ def _verdict(results, summ) -> list[str]:
         + (f" It trails AdamW by {s['before_ms'][0]:.1f}% already before the shift (1-bit Adam: "
            f"{m_b:.1f}%), so its curve after the shift says little about the refresh as such; "
            "how far its v moved is in *The preconditioner* and *Freeze and refresh*."
-           if kind == "zero_one" and s["before_ms"][0] - m_b > 2.0 else "")
+           if kind.startswith("zero_one") and s["before_ms"][0] - m_b > 2.0 else "")
         + "\n")
   return lines
 
@@ -338,7 +341,12 @@ def write(results, out: str) -> None:
         zero_one="`zero_one_adam(var_freeze_step=T, var_update_scaler="
         f"{cfg['var_update_scaler']})`, no local steps: v is updated on variance steps (float32 "
         f"all-reduce) whose interval doubles every {cfg['var_update_scaler']} of them, never "
-        "frozen; 1-bit compressed gradients in between.",
+        "frozen; 1-bit compressed momentum in between; a variance step decays v by b2 "
+        "(DeepSpeed's EMA over variance steps).",
+        zero_one_step="the same with `variance_ema='per_step'`: a variance step decays v by "
+        "b2 per step since the previous one (b2^gap), with weight 1 - b2^gap for the new mean "
+        "gradient squared: an EMA over Adam's horizon in steps, however sparse the variance "
+        "steps.",
         onebit_restart=f"the `onebit` run up to step {half}; there a new `onebit_adam` state "
         f"(same freeze rule, schedule continued: `lambda c: schedule(c + {half})`) from its "
         "parameters: a second full-precision warmup measures the new variance and freezes it "
@@ -357,13 +365,20 @@ def write(results, out: str) -> None:
     elif r["kind"] == "onebit_restart":
       facts.append(f"restart seed {r['seed']}: the new state froze {last.get('freeze_step')} "
                    f"steps after the shift (step {half + (last.get('freeze_step') or 0)})")
-    elif r["kind"] == "zero_one":
+    elif r["kind"] in ("zero_one", "zero_one_step"):
       at_half = _at(r, "info", half) or {}
       nb, na = at_half.get("variance_updates"), last.get("variance_updates")
-      share = (f"; the post-shift variance steps carry {100 * _post_shift_weight(cfg['b2'], nb, na - nb):.0f}% "
-               "of the weight of its bias-corrected v at the end (b2 EMA over variance steps)"
-               if nb is not None and na is not None else "")
-      facts.append(f"0/1 seed {r['seed']}: {nb} variance steps by "
+      if r["kind"] == "zero_one_step":  # weights by steps: the last variance steps' counts
+        tb, ta = at_half.get("variance_step"), last.get("variance_step")
+        share = (f"; the post-shift variance steps carry {100 * _post_shift_weight(cfg['b2'], tb, ta - tb):.0f}% "
+                 "of the weight of its bias-corrected v at the end (per-step EMA)"
+                 if tb is not None and ta is not None else "")
+      else:
+        share = (f"; the post-shift variance steps carry {100 * _post_shift_weight(cfg['b2'], nb, na - nb):.0f}% "
+                 "of the weight of its bias-corrected v at the end (b2 EMA over variance steps)"
+                 if nb is not None and na is not None else "")
+      name = "0/1" if r["kind"] == "zero_one" else "0/1 per-step EMA"
+      facts.append(f"{name} seed {r['seed']}: {nb} variance steps by "
                    f"the shift, {na} by step {r['steps'][-1]} "
                    f"(interval then {last.get('var_interval')}){share}")
   if facts:
@@ -508,7 +523,8 @@ def _plot(results, path):
     return
   cfg = results["config"]
   half = cfg["steps"] // 2
-  colors = dict(adamw="k", onebit="tab:red", zero_one="tab:blue", onebit_restart="tab:green",
+  colors = dict(adamw="k", onebit="tab:red", zero_one="tab:blue", zero_one_step="tab:purple",
+                onebit_restart="tab:green",
                 adamw_noshift="gray", onebit_noshift="salmon")
   styles = dict(onebit_restart="--", adamw_noshift=":", onebit_noshift=":")
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))

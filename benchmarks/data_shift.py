@@ -23,7 +23,10 @@ peak learning rate, b1 0.9, b2 0.999, decoupled weight decay 0.1 on matrices):
   early, on prose;
 * ``zero_one``: ``zero_one_adam`` with ``var_freeze_step=T`` (the variance is
   never frozen: refreshed on exponentially spaced variance steps, the interval
-  doubling every ``var_update_scaler=16`` of them), no local steps;
+  doubling every ``var_update_scaler=16`` of them), no local steps; each variance
+  step decays v by b2 (DeepSpeed's EMA over variance steps);
+* ``zero_one_step``: the same with ``variance_ema='per_step'`` (a variance step
+  decays v by b2 per step since the previous one: Adam's horizon in steps);
 * ``onebit_restart``: the remedy a user can apply with today's public API: at the
   shift, keep 1-bit Adam's parameters and start a *new* ``onebit_adam`` state
   (its schedule continues where the old one was, ``lambda c: schedule(c + T/2)``;
@@ -71,7 +74,7 @@ import onebit_optax  # noqa: E402
 N, AXIS = 8, "data"
 B1, B2 = 0.9, 0.999
 CODE_BYTES = 2_000_000
-KINDS = ("adamw", "onebit", "zero_one", "onebit_restart")
+KINDS = ("adamw", "onebit", "zero_one", "zero_one_step", "onebit_restart")
 # The control: the same runs without the shift (prose all the way): does the gap
 # grow with time anyway?
 CONTROLS = ("adamw_noshift", "onebit_noshift")
@@ -128,9 +131,11 @@ def make_tx(kind: str, cfg, offset: int = 0):
     return onebit_optax.onebit_adam(
         sched, axis_name=AXIS, freeze=onebit_optax.variance_ratio_freeze(min_steps=cfg["warmup"]),
         **common)
-  if kind == "zero_one":
-    return onebit_optax.zero_one_adam(sched, axis_name=AXIS, var_freeze_step=cfg["steps"],
-                                      var_update_scaler=cfg["var_update_scaler"], **common)
+  if kind in ("zero_one", "zero_one_step"):
+    return onebit_optax.zero_one_adam(
+        sched, axis_name=AXIS, var_freeze_step=cfg["steps"],
+        var_update_scaler=cfg["var_update_scaler"],
+        variance_ema="per_step" if kind == "zero_one_step" else "per_update", **common)
   raise ValueError(kind)
 
 
@@ -143,7 +148,7 @@ def _find(tree, cls):
 
 def family(kind: str) -> str:
   return {"adamw": "adamw", "onebit": "onebit", "onebit_restart": "onebit",
-          "zero_one": "zero_one"}[base_kind(kind)]
+          "zero_one": "zero_one", "zero_one_step": "zero_one"}[base_kind(kind)]
 
 
 class Trainer:
@@ -278,7 +283,8 @@ def v_hat_groups(kind, opt):
     nu, corr = s.nu, 1.0 - B2 ** max(t, 1)
   else:
     s = _find(opt, onebit_optax.ScaleByZeroOneAdamState)
-    nu, corr = s.nu, 1.0 - B2 ** max(int(s.variance_updates), 1)
+    last = int(s.variance_step) if kind == "zero_one_step" else int(s.variance_updates)
+    nu, corr = s.nu, 1.0 - B2 ** max(last, 1)
   out = dict.fromkeys(GROUPS, 0.0)
   for path, v in jax.tree_util.tree_flatten_with_path(jax.device_get(nu))[0]:
     out[group_of(path)] += float(np.sum(np.asarray(v, np.float64))) / corr
@@ -292,7 +298,8 @@ def opt_info(kind, opt):
     return dict(frozen=bool(s.frozen), freeze_step=int(s.freeze_step) if bool(s.frozen) else None)
   if fam == "zero_one":
     s = _find(opt, onebit_optax.ScaleByZeroOneAdamState)
-    return dict(variance_updates=int(s.variance_updates), var_interval=int(s.var_interval))
+    return dict(variance_updates=int(s.variance_updates), var_interval=int(s.var_interval),
+                variance_step=int(s.variance_step))
   return {}
 
 

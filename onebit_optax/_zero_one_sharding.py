@@ -149,7 +149,7 @@ def init_zero_one_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
 
 # What a move to another mesh keeps: everything but the per-device error feedback.
 _CARRIED = ("count", "mu", "nu", "nu_l1", "variance_updates", "var_interval", "var_counter",
-            "lr_sum", "local_interval", "local_counter", "since_sync", "phase", "wire_bytes",
+            "variance_step", "lr_sum", "local_interval", "local_counter", "since_sync", "phase", "wire_bytes",
             "skipped_steps")
 
 

@@ -36,6 +36,7 @@ class Hyper(NamedTuple):
   mask: Any  # which leaves get weight decay: None (all), a tree of bools or a callable of params.
   skip_nonfinite: bool
   exact_below: int
+  per_step_ema: bool = False  # variance_ema='per_step': v decays by b2 per step, not per update.
 
 
 class Plan(NamedTuple):
@@ -321,9 +322,21 @@ def _collectives(hp: Hyper, plan: Plan, state, sched: Schedule, g32, sent, exact
   return jax.lax.switch(sched.kind, [variance, onebit, local], g32, sent, exact, server)
 
 
-def _new_nu(hp: Hyper, nus, mean, is_var, finite) -> list:
+def variance_decay(hp: Hyper, state, count) -> jax.Array:
+  """What a variance step at ``count`` multiplies ``v`` by: b2, or b2 per step since the last one."""
+  if not hp.per_step_ema:
+    return jnp.asarray(hp.b2, F32)
+  return jnp.asarray(hp.b2, F32) ** (count - state.variance_step).astype(F32)
+
+
+def v_correction(hp: Hyper, variance_updates, variance_step) -> jax.Array:
+  """``v``'s bias correction after ``variance_updates`` variance steps, the last at ``variance_step``."""
+  return bias_correction(hp.b2, variance_step if hp.per_step_ema else variance_updates)
+
+
+def _new_nu(hp: Hyper, nus, mean, is_var, finite, decay) -> list:
   """``v`` after a variance step with the float32 mean gradient ``mean`` (else unchanged)."""
-  return [jnp.where(is_var & finite, hp.b2 * v + (1.0 - hp.b2) * jnp.square(g), v)
+  return [jnp.where(is_var & finite, decay * v + (1.0 - decay) * jnp.square(g), v)
           for v, g in zip(nus, mean)]
 
 
@@ -360,7 +373,7 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, mu, nu, avg, nu_l1, 
              params) -> list:
   """Adam's (bounded) step from the new ``m`` and ``v``, or a local-phase step's update."""
   is_var = sched.kind == VARIANCE
-  bc2_here = jnp.where(is_var, bias_correction(hp.b2, state.variance_updates + 1), bc2)
+  bc2_here = jnp.where(is_var, v_correction(hp, state.variance_updates + 1, sched.count), bc2)
   bounded = jnp.where(is_var, state.variance_updates < state.count, True)
   floor = floors(hp, plan, nu_l1, bc2_here)
   dirs = [_zeros_like(m) if plan.kind(i)[0] == "z" else
@@ -420,7 +433,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   is_var = sched.kind == VARIANCE
   g32 = [g.astype(F32) for g in grads]
   bc1 = bias_correction(hp.b1, sched.count)
-  bc2 = bias_correction(hp.b2, state.variance_updates)  # v frozen: compressed, local, sync
+  bc2 = v_correction(hp, state.variance_updates, state.variance_step)  # v held: not a variance step
   outgoing = _outgoing(hp, plan, g32, state, sched, params, bc1, bc2)
   sent = [outgoing[i][None] for i in plan.layout.compressed]
   server = (None if state.server_error is None  # (fresh: a local-phase step)
@@ -434,7 +447,8 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   mean = [t * (1.0 / plan.axes.n_slow) for t in total]
   onebit_mean = _mean_of(plan, gathered, [jnp.shape(g) for g in g32])
   avg = [jnp.where(is_var, t, c) for t, c in zip(mean, onebit_mean)]
-  nu = _new_nu(hp, jax.tree.leaves(state.nu), mean, is_var, finite)
+  nu = _new_nu(hp, jax.tree.leaves(state.nu), mean, is_var, finite,
+               variance_decay(hp, state, sched.count))
   # (summed from the new buffer, not from a second pass over the old one)
   nu_l1 = jnp.where(is_var & finite, jnp.stack([jnp.sum(v) for v in nu]), state.nu_l1)
   mu = _new_mu(hp, plan, state, sched, avg, nu, finite, bc1, bc2, params)

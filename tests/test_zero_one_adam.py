@@ -141,9 +141,10 @@ class _Wire:
 class _Simulation:
   """8 workers running 0/1 Adam (``H``: local steps after ``FREEZE``, None: compressed steps)."""
 
-  def __init__(self, params, c, t, *, H=None, scaler=None):
+  def __init__(self, params, c, t, *, H=None, scaler=None, per_step=False):
     self.p = {k: np.array(v, F32) for k, v in params.items()}
     self.c, self.t, self.H, self.scaler = c, t, H, scaler
+    self.per_step, self.last_var = per_step, 0  # variance_ema='per_step'; the last variance step
     zeros = lambda: {k: np.zeros(SHAPES[k], F32) for k in NAMES}
     self.mu, self.nu, self.nu_l1 = zeros(), zeros(), {k: F32(0) for k in NAMES}
     self.step_count, self.var_updates, self.interval, self.counter = 0, 0, 1, 0
@@ -174,11 +175,17 @@ class _Simulation:
       decay = F32(WD) * self.p[k] if k in DECAYED else F32(0)
       self.p[k] = (self.p[k] + (-F32(LR)) * (directions[k] + decay)).astype(F32)
 
+  def _bc2(self):
+    """v's bias correction: 1 - b2^(variance steps), or 1 - b2^(last variance step) per step."""
+    return F32(1) - F32(B2) ** (self.last_var if self.per_step else self.var_updates)
+
   def _variance(self, t):
     grads = self.grads(False)
     bounded = self.var_updates < t - 1  # a compressed step came before: floor and clip
-    self.var_updates += 1
-    bc1, bc2 = F32(1) - F32(B1) ** t, F32(1) - F32(B2) ** self.var_updates
+    # per_step: the steps since the last variance step decay v as Adam's would have.
+    decay = F32(B2) ** F32(t - self.last_var) if self.per_step else F32(B2)
+    self.var_updates, self.last_var = self.var_updates + 1, t
+    bc1, bc2 = F32(1) - F32(B1) ** t, self._bc2()
     d = {}
     for k in NAMES:
       total = grads[0][k]
@@ -186,7 +193,7 @@ class _Simulation:
         total = total + grads[i][k]
       g = (total * F32(1 / N)).astype(F32)
       self.mu[k] = (F32(B1) * self.mu[k] + F32(1 - B1) * g).astype(F32)
-      self.nu[k] = (F32(B2) * self.nu[k] + F32(1 - B2) * np.square(g)).astype(F32)
+      self.nu[k] = (decay * self.nu[k] + (F32(1) - decay) * np.square(g)).astype(F32)
       self.nu_l1[k] = np.sum(self.nu[k], dtype=F32)
       d[k] = self._direction(self.mu[k], k, bc1, bc2, bounded)
     self.counter += 1
@@ -215,7 +222,7 @@ class _Simulation:
     sent = [{k: (local[i][k] + self._feedback(i, k)).astype(F32) for k in self.wire.compressed}
             for i in range(N)]
     mean = self._exchange(sent, [{k: local[i][k] for k in self.wire.exact} for i in range(N)])
-    bc1, bc2 = F32(1) - F32(B1) ** t, F32(1) - F32(B2) ** self.var_updates
+    bc1, bc2 = F32(1) - F32(B1) ** t, self._bc2()
     d = {}
     for k in NAMES:
       self.mu[k] = mean[k]
@@ -226,7 +233,7 @@ class _Simulation:
     """DeepSpeed's local step and sync, in the parameters' units (module docstring of the package)."""
     fresh = self.phase in ("none", "variance", "compressed")
     grads = self.grads(True)
-    bc1, bc2 = F32(1) - F32(B1) ** t, F32(1) - F32(B2) ** self.var_updates
+    bc1, bc2 = F32(1) - F32(B1) ** t, self._bc2()
     # Without local steps: a sync every step, in direction units (the chain applies -LR).
     lr = F32(LR) if self.H is not None else F32(1)
     for i in range(N):
@@ -309,9 +316,9 @@ def _tx(H=None, scaler=4, **kw):
 
 
 @functools.cache
-def _step_fn(H=None, scaler=4, kappa=KAPPA, freeze=FREEZE):
+def _step_fn(H=None, scaler=4, kappa=KAPPA, freeze=FREEZE, ema="per_update"):
   """(tx, jitted shard_map train step, state specs) of one configuration (one compile)."""
-  mesh, tx = _mesh(), _tx(H, scaler, kappa=kappa, freeze=freeze)
+  mesh, tx = _mesh(), _tx(H, scaler, kappa=kappa, freeze=freeze, variance_ema=ema)
   params, _, _ = _problem()
   specs = onebit_optax.zero_one_partition_specs(
       jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
@@ -405,6 +412,24 @@ def test_matches_numpy_simulation(H):
   # the sync interval doubles every 4 local-phase steps, up to H = 4.
   expected = "vvvvcvcvcccvcc" + ("s" * 12 if H is None else "ssss" + "ls" * 2 + "llls" * 3)
   assert "".join(phases) == expected[:steps]
+
+
+def test_per_step_variance_ema_matches_numpy_simulation():
+  """variance_ema='per_step': v decays by b2 per step since the last variance step (intervals 1, 2, 4)."""
+  step, params, state, c, t = _start(seed=SIM_SEED, ema="per_step")
+  params0, c_np, t_np = _problem(SIM_SEED)
+  sim = _Simulation(params0, c_np, t_np, per_step=True)
+  per_update = _Simulation(params0, c_np, t_np)  # DeepSpeed's EMA: must not match
+  for n in range(16):
+    params, state, copies = step(params, state, c, t)
+    sim.step()
+    per_update.step()
+    _check_against(sim, params, state, f"after step {n + 1} ({sim.phase})")
+    _replicas(copies)
+  assert sim.wire.margin > 1e-6, sim.wire.margin
+  nu = np.asarray(_inner(state).nu["w"])
+  assert np.max(np.abs(nu - per_update.nu["w"])) > 100 * TOL * np.max(np.abs(nu))
+  assert int(_inner(state).variance_step) == 12 == sim.last_var
 
 
 def test_wrong_simulation_fails():
@@ -676,6 +701,7 @@ def test_pmap_matches_shard_map():
     (dict(var_freeze_step=10, local_steps=4), "learning_rate"),
     (dict(var_freeze_step=10, learning_rate=0.1), "only with local"),
     (dict(var_freeze_step=10, weight_decay=-1.0), "weight_decay"),
+    (dict(var_freeze_step=10, variance_ema="per_time"), "variance_ema"),
 ])
 def test_refuses_values_that_cannot_work(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -818,7 +844,7 @@ def test_move_state_to_another_device_count(H):
   moved = onebit_optax.zero_one_move_state(tx, host_params, state, mesh4)
   old, new = _inner(state), _inner(moved)
   for name in ("count", "mu", "nu", "nu_l1", "variance_updates", "var_interval", "var_counter",
-               "local_interval", "local_counter", "since_sync", "phase"):
+               "variance_step", "local_interval", "local_counter", "since_sync", "phase"):
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
                         getattr(old, name), getattr(new, name))
     assert all(jax.tree.leaves(same)), name
