@@ -48,7 +48,8 @@ import onebit_optax
 AXIS = "data"
 KINDS = ("adamw", "onebit", "fixed", "naive", "no_feedback", "zero_one")
 # The options of a ``zero_one`` run that ``run`` accepts (zero_one_adam's names).
-ZERO_ONE_OPTIONS = ("var_freeze_step", "var_update_scaler", "local_steps", "local_step_scaler")
+ZERO_ONE_OPTIONS = ("var_freeze_step", "var_update_scaler", "local_steps", "local_step_scaler",
+                    "variance_ema")
 PERIODIC_VAL = 128  # periodic evaluations use at most this many validation examples.
 
 

@@ -127,6 +127,10 @@ def summary(results) -> dict:
       d = {s: a[s] - b[s] for s in a if s in b}
       out[kind]["after_vs_onebit"] = d
       out[kind]["after_vs_onebit_ms"] = _mean_se(d.values())
+  if "zero_one_step" in out and "zero_one" in out:  # the two EMAs, same seeds
+    for key in ("after", "delta"):
+      a, b = out["zero_one_step"][key], out["zero_one"][key]
+      out["zero_one_step"][f"{key}_vs_zero_one_ms"] = _mean_se([a[s] - b[s] for s in a if s in b])
   if "onebit" in out and "onebit_noshift" in out:
     a, b = out["onebit"]["delta"], out["onebit_noshift"]["delta"]
     d = {s: a[s] - b[s] for s in a if s in b}
@@ -202,6 +206,10 @@ def _verdict(results, summ) -> list[str]:
            f"{m_b:.1f}%), so its curve after the shift says little about the refresh as such; "
            "how far its v moved is in *The preconditioner* and *Freeze and refresh*."
            if kind.startswith("zero_one") and s["before_ms"][0] - m_b > 2.0 else "")
+        + (f" Against DeepSpeed's EMA (the `zero_one` runs, same seeds): "
+           f"{_pp(*s['after_vs_zero_one_ms'][:2])} points after the shift, "
+           f"{_pp(*s['delta_vs_zero_one_ms'][:2])} points of change."
+           if "after_vs_zero_one_ms" in s else "")
         + "\n")
   return lines
 
@@ -249,7 +257,23 @@ def _advice(results, summ) -> list[str]:
       "late shift (see *Freeze and refresh*), so its preconditioner at the end is still "
       "mostly the prose one (see *The preconditioner*).\n"]
       if "zero_one" in summ and summ["zero_one"].get("after_vs_onebit_ms", [np.nan])[0] >= 0
-      else [])
+      else []) + _per_step_advice(summ)
+
+
+def _per_step_advice(summ) -> list[str]:
+  """What the per-step EMA did, next to DeepSpeed's EMA and the control's drift."""
+  s = summ.get("zero_one_step", {})
+  if "delta_vs_zero_one_ms" not in s:
+    return []
+  control = summ.get("onebit_noshift", {}).get("delta_ms")
+  return [
+      "With `zero_one_adam(..., variance_ema='per_step')` a variance step decays v by b2 per "
+      "*step* since the previous one, so the sparse variance steps after the shift still weigh "
+      "as Adam's steps would: its gap grew by "
+      f"{_pp(*s['delta_ms'][:2])} points over the shift ({_pp(*s['delta_vs_zero_one_ms'][:2])} "
+      "against DeepSpeed's EMA, same seeds)"
+      + (f"; 1-bit Adam's gap grows {_pp(*control[:2])} points without any shift"
+         if control else "") + ".\n"]
 
 
 def half_q(results):

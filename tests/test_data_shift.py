@@ -30,7 +30,8 @@ def _rec(kind, seed, before, after, noise):
                                                     for s in steps],
               v_hat=[None] + [v] * (len(steps) - 1),
               info=[dict(frozen=True, freeze_step=20)] * len(steps) if "onebit" in kind else
-              [dict(variance_updates=50, var_interval=8)] * len(steps) if kind == "zero_one"
+              [dict(variance_updates=50, var_interval=8, variance_step=400)] * len(steps)
+              if kind.startswith("zero_one")
               else [{}] * len(steps),
               done=True, final_prose=prose[-1], final_code=code[-1], wall_s=1.0)
 
@@ -103,3 +104,18 @@ def test_partial_run(tmp_path):
   del last["final_prose"], last["final_code"]
   _shift_report.write(results, str(tmp_path / "data_shift"))
   assert "Finished runs: 8 of 9" in open(str(tmp_path / "data_shift") + ".md").read()
+
+
+def test_per_step_ema_is_paired_with_deepspeeds(tmp_path):
+  """zero_one_step after the shift 0.5 points below zero_one (1.0 -> 0.5), same seeds."""
+  results = _results(onebit_after=4.0)
+  for seed, noise in zip(range(3), (-0.1, 0.0, 0.1)):
+    results["runs"].append(_rec("zero_one_step", seed, 1.0, 0.5, noise))
+  summ = _shift_report.summary(results)
+  np.testing.assert_allclose(summ["zero_one_step"]["after_vs_zero_one_ms"][0], -0.5, atol=1e-6)
+  np.testing.assert_allclose(summ["zero_one_step"]["delta_vs_zero_one_ms"][0], -0.5, atol=1e-6)
+  out = str(tmp_path / "data_shift")
+  _shift_report.write(results, out)
+  text = open(out + ".md").read()
+  assert "Against DeepSpeed's EMA (the `zero_one` runs, same seeds): -0.50" in text
+  assert "(per-step EMA)" in text  # the post-shift weight, from the variance steps' counts
