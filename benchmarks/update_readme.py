@@ -23,6 +23,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _conv_report  # noqa: E402  pylint: disable=wrong-import-position
+import _shift_report  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def _load(name: str) -> dict | None:
@@ -91,6 +92,27 @@ def _zero_one_convergence_rows(link) -> list[str]:
   return rows
 
 
+def _shift_rows(link) -> list[str]:
+  """The gap to AdamW after the data shift, per optimizer (benchmarks/data_shift.py)."""
+  data = _load("data_shift")
+  if data is None:
+    return []
+  summ = _shift_report.summary(data)
+  names = dict(onebit="frozen v", onebit_restart="new state at the shift",
+               zero_one="0/1 Adam (DeepSpeed's EMA)", zero_one_step="0/1 Adam (per-step EMA)")
+  cells = [f"{label} {summ[k]['after_ms'][0]:+.2f}% (s.e. {summ[k]['after_ms'][1]:.2f}%)"
+           for k, label in names.items() if k in summ]
+  if not cells or "onebit" not in summ:
+    return []
+  cfg, commits = data["config"], sorted({i["git"] for i in data["meta"].get("invocations", [])})
+  # No "N parameters" here: tests/test_docs.py matches the 1-bit rows by it.
+  return [f"| gap to AdamW after a data shift (prose, then Python source) | char GPT, "
+          f"{cfg['steps']} steps (shift at "
+          f"{cfg['steps'] // 2}), {cfg['devices']} devices, {summ['onebit']['after_ms'][2]} seeds | "
+          f"before the shift {summ['onebit']['before_ms'][0]:+.2f}%; after: " + ", ".join(cells)
+          + f" | {link('data_shift')} ({', '.join(commits) or data['meta']['git']}) |"]
+
+
 def _throughput_rows(link) -> list[str]:
   data = _load("comm_throughput_rates")
   if data is None:
@@ -138,7 +160,7 @@ def summary(link: Callable[[str], str] | None = None) -> str:
   """The headline table; ``link(name)`` renders a reference to results file ``name``."""
   if link is None:
     link = lambda name: f"[{name}](benchmarks/results/{name}.md)"
-  rows = (_convergence_rows(link) + _throughput_rows(link) + _compute_rows(link)
+  rows = (_convergence_rows(link) + _shift_rows(link) + _throughput_rows(link) + _compute_rows(link)
           + _compile_rows(link))
   if not rows:
     return "_No results yet: run the benchmarks (benchmarks/*.py)._"

@@ -66,7 +66,7 @@ RESULT_TITLES = {
     "comm_throughput_rates": "Throughput at three link rates",
     "comm_throughput_hier": "Hierarchical averaging, 2 nodes x 2 processes",
     "comm_throughput_zero_one": "0/1 Adam by phase, 1 Gbit/s links, 4 processes",
-    "convergence_zero_one": "Convergence: 0/1 Adam against AdamW and 1-bit Adam",
+    "zero_one_ema": "0/1 Adam: the variance EMA at the default recipe",
     "data_shift": "A data shift half-way: does the frozen variance go stale?",
     "zero_one_compute": "0/1 Adam's compute per kind of step",
     "scaling_model": "Scaling to cluster shapes (a model)",
