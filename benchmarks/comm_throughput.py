@@ -312,7 +312,7 @@ def _uptime() -> str:
 
 PHASES = (("v", "variance"), ("c", "compressed"), ("l", "local"), ("s", "sync"))
 PHASE_WHAT = {"variance": "float32 all-reduce of the gradient, Adam's m and v",
-              "compressed": "1-bit mean of the gradient (v fixed)",
+              "compressed": "1-bit mean of the momentum (v fixed)",
               "local": "own Adam step on this rank's copy, no collective",
               "sync": "1-bit mean of the accumulated progress"}
 
