@@ -109,8 +109,8 @@ ZERO_ONE_GRID = (
     ("T_v=W, kappa=4, no H", dict(var_freeze_step=1, var_update_scaler=4)),
     ("T_v=W, kappa=1, H=2/32", dict(var_freeze_step=1, var_update_scaler=1, local_steps=2,
                                     local_step_scaler=32)),
-    ("T_v=W, kappa=1, H=4/32", dict(var_freeze_step=1, var_update_scaler=1, local_steps=4,
-                                    local_step_scaler=32)),
+    # (H=4/32 was the worst setting at f3cc16d, +12.7% mean over the tasks; T_v=2W replaces it.)
+    ("T_v=2W, kappa=4, no H", dict(var_freeze_step=2, var_update_scaler=4)),
 )
 QUICK_ZERO_ONE_GRID = (ZERO_ONE_GRID[0], ZERO_ONE_GRID[2])  # no H and H
 MAX_EXTENSIONS = 2  # learning rates added to the AdamW sweep when its best is at an edge.
