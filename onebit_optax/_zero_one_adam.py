@@ -415,13 +415,15 @@ def scale_by_zero_one_adam(
   MLM and the digits MLP, 300-600 steps on 8 devices; grid on the selection
   seeds, the chosen setting on fresh seeds, ``benchmarks/results/convergence.md``):
   :math:`\kappa` = 4 (DeepSpeed: 16), no local steps, :math:`T_v` required:
-  the end of the learning-rate warmup (DeepSpeed: 100000). Against tuned AdamW
-  the chosen setting ended -2.8% (s.e. 0.3%) on the char GPT, +3.7% (2.1%) on
-  the MLM and +2.4% (3.7%) on the digits MLP, with 1.5x, 3.5x and 2.3x fewer
-  bytes than :func:`onebit_adam`. On the selection seeds :math:`\kappa` = 1
-  sent 1.3x fewer bytes and was worse on two tasks of three; local steps
-  (:math:`H` = 2 or 4, scaler 32, after :math:`\kappa` = 1) sent 0.5-0.7x the
-  bytes, from -2.2 to +8.1 points of loss (worse in 4 of the 6 pairs). The
+  twice the learning-rate warmup W was chosen (DeepSpeed: 100000). Against
+  tuned AdamW it ended -2.6% (s.e. 0.3%) on the char GPT, -1.8% (1.1%) on the
+  MLM and +0.4% (2.5%) on the digits MLP, with 1.3x, 3.1x and 1.9x fewer bytes
+  than :func:`onebit_adam`. On the selection seeds :math:`T_v` = W sent
+  0.8-0.9x the bytes of 2W and was worse on all three tasks (mean over the tasks
+  +3.6% against AdamW, 2W +0.4%); :math:`\kappa` = 1 sent 1.3x fewer bytes
+  than :math:`\kappa` = 4 and was worse on two tasks of three; local steps
+  (:math:`H` = 2, scaler 32) sent 0.6-0.7x the bytes at a higher loss on all
+  three. The
   scaler's default 32: :math:`J` = 16 after 128 local-phase steps (DeepSpeed's
   32678 is sized for 100k-step runs).
 
@@ -568,8 +570,8 @@ def zero_one_adam(
     eps: added to the denominator.
     weight_decay: decoupled weight decay (0 disables it).
     axis_name: the data-parallel axis, or None.
-    var_freeze_step: the last step that may update the variance (e.g. the end of
-      the learning-rate warmup).
+    var_freeze_step: the last step that may update the variance (e.g. twice the
+      learning-rate warmup, the choice of ``benchmarks/convergence.py``).
     var_update_scaler: variance steps per doubling of their interval.
     local_steps: None, or the largest interval between syncs.
     local_step_scaler: local-phase steps per doubling of the sync interval.
