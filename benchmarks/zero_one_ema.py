@@ -4,12 +4,12 @@
 ``'per_step'`` (by b2 per step since the previous variance step) differ where the
 variance steps are far apart: after a late shift of the data
 (``benchmarks/data_shift.py``) the per-step EMA ended closer to AdamW. This runs
-the default recipe of ``benchmarks/convergence.py`` (``var_freeze_step`` = the
-LR warmup W, ``var_update_scaler=4``, no local steps, AdamW's selected lr 0.003)
+the default recipe of ``benchmarks/convergence.py`` (``var_freeze_step`` = twice
+the LR warmup W, ``var_update_scaler=4``, no local steps, AdamW's selected lr 0.003)
 with each EMA on the selection seeds of the char GPT and the BERT-style MLM, and
 prints the paired difference (same seed, per_step over per_update) with its
-standard error. The variance steps then fall within the first W steps, a step
-or two apart.
+standard error. The variance steps then fall within the first 2W steps, one to
+four steps apart.
 
     .venv/bin/python benchmarks/zero_one_ema.py            # ~8 min on 2 cores
     .venv/bin/python benchmarks/zero_one_ema.py --tasks gpt --seeds 2
@@ -51,7 +51,7 @@ def run_task(name: str, seeds: int, mesh) -> dict:
   runner = _conv_runner.Runner(task, mesh)
   out = {}
   for ema in EMAS:
-    opts = dict(var_freeze_step=task.warmup, var_update_scaler=4, variance_ema=ema)
+    opts = dict(var_freeze_step=2 * task.warmup, var_update_scaler=4, variance_ema=ema)
     out[ema] = []
     for seed in range(seeds):
       out[ema].append(float(runner.run("zero_one", LR, seed, zero_one=opts)["final_val"]))
@@ -88,7 +88,7 @@ def main(argv=None):
       f"Command: `{command}`; onebit_optax at {_provenance.git_commit()}, jax {jax.__version__}; "
       f"{os.cpu_count()} CPUs; {(time.time() - wall) / 60:.1f} min.  ",
       f"Load (`uptime`) at start: `{start}`; at end: `{uptime()}`.\n",
-      "`zero_one_adam(var_freeze_step=W, var_update_scaler=4)`, no local steps, peak lr "
+      "`zero_one_adam(var_freeze_step=2W, var_update_scaler=4)`, no local steps, peak lr "
       f"{LR:g}, the tasks of `benchmarks/convergence.py` (8 simulated devices), final "
       "validation loss (mean ± std over the seeds); paired: 100 x (per_step / per_update - 1), "
       "same seed.\n",
