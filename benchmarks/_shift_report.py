@@ -392,16 +392,14 @@ def write(results, out: str) -> None:
     elif r["kind"] in ("zero_one", "zero_one_step"):
       at_half = _at(r, "info", half) or {}
       nb, na = at_half.get("variance_updates"), last.get("variance_updates")
-      if r["kind"] == "zero_one_step":  # weights by steps: the last variance steps' counts
-        tb, ta = at_half.get("variance_step"), last.get("variance_step")
-        share = (f"; the post-shift variance steps carry {100 * _post_shift_weight(cfg['b2'], tb, ta - tb):.0f}% "
-                 "of the weight of its bias-corrected v at the end (per-step EMA)"
-                 if tb is not None and ta is not None else "")
-      else:
-        share = (f"; the post-shift variance steps carry {100 * _post_shift_weight(cfg['b2'], nb, na - nb):.0f}% "
-                 "of the weight of its bias-corrected v at the end (b2 EMA over variance steps)"
-                 if nb is not None and na is not None else "")
-      name = "0/1" if r["kind"] == "zero_one" else "0/1 per-step EMA"
+      per_step = r["kind"] == "zero_one_step"  # weighs by steps: the last variance steps' counts
+      key, how = (("variance_step", "per-step EMA") if per_step else
+                  ("variance_updates", "b2 EMA over variance steps"))
+      wb, wa = at_half.get(key), last.get(key)
+      share = (f"; the post-shift variance steps carry {100 * _post_shift_weight(cfg['b2'], wb, wa - wb):.0f}% "
+               f"of the weight of its bias-corrected v at the end ({how})"
+               if wb is not None and wa is not None else "")
+      name = "0/1 per-step EMA" if per_step else "0/1"
       facts.append(f"{name} seed {r['seed']}: {nb} variance steps by "
                    f"the shift, {na} by step {r['steps'][-1]} "
                    f"(interval then {last.get('var_interval')}){share}")

@@ -149,8 +149,8 @@ def init_zero_one_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data"):
 
 # What a move to another mesh keeps: everything but the per-device error feedback.
 _CARRIED = ("count", "mu", "nu", "nu_l1", "variance_updates", "var_interval", "var_counter",
-            "variance_step", "lr_sum", "local_interval", "local_counter", "since_sync", "phase", "wire_bytes",
-            "skipped_steps")
+            "variance_step", "lr_sum", "local_interval", "local_counter", "since_sync", "phase",
+            "wire_bytes", "skipped_steps")
 
 
 def _moved(old: ScaleByZeroOneAdamState, new: ScaleByZeroOneAdamState, mesh: Mesh, axis_name):

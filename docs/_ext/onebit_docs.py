@@ -366,14 +366,11 @@ def generate(docs: Path) -> None:
   # Included by hand-written pages: a suffix Sphinx does not read as a page.
   _write(out / "toctree.inc", results_toctree(names))
   _write(out / "summary.inc", headline_summary() + "\n")
-  # The freeze study (an excerpt of the convergence results) for the freeze guide.
-  freeze = RESULTS / "convergence_freeze.md"
-  freeze_text = (renumber_headings(freeze.read_text(encoding="utf-8"), top=3)
-                 if freeze.exists() else "_Not generated yet: run `python benchmarks/convergence.py`._")
-  _write(docs / "guides" / "generated" / "freeze_study.inc", freeze_text + "\n")
-  # The 0/1 Adam study and the three optimizers (an excerpt too) for the 0/1 Adam guide.
-  _write(docs / "guides" / "generated" / "zero_one_study.inc", _excerpt(
-      "convergence_zero_one_summary", "python benchmarks/convergence.py") + "\n")
+  # Excerpts of the convergence results for the freeze and the 0/1 Adam guides.
+  for name, inc in (("convergence_freeze", "freeze_study"),
+                    ("convergence_zero_one_summary", "zero_one_study")):
+    _write(docs / "guides" / "generated" / f"{inc}.inc",
+           _excerpt(name, "python benchmarks/convergence.py") + "\n")
   notebook = NOTEBOOK.read_text(encoding="utf-8").replace("](../README.md)", "](../index.md)")
   _write(docs / "notebooks" / NOTEBOOK.name, notebook)
 
