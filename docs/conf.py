@@ -30,17 +30,18 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
-    "sphinx.ext.mathjax",
+    "sphinx.ext.intersphinx",
     "sphinx.ext.viewcode",
     "sphinx_copybutton",
     "onebit_docs",  # generated pages: API index from __all__, Results, the notebook
+    "onebit_mathml",  # math as MathML at build time: no script, no network
 ]
 
-exclude_patterns = ["_build", "_ext", "**/generated/*.inc", "**.ipynb_checkpoints"]
+exclude_patterns = ["_build", "_ext", "_inventories", "**/generated/*.inc", "**.ipynb_checkpoints"]
 templates_path = ["_templates"]
 
 # MyST: $...$ math, ::: fences, {.class} on blocks, anchors for "page.md#section" links.
-myst_enable_extensions = ["dollarmath", "colon_fence", "deflist", "attrs_block"]
+myst_enable_extensions = ["dollarmath", "colon_fence", "deflist", "attrs_block", "attrs_inline"]
 myst_heading_anchors = 4
 # The committed notebook is stripped (tests/test_notebook.py), so the build runs it,
 # once (a minute or two on 2 cores): jupyter-cache keeps the outputs until the
@@ -62,17 +63,36 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 
-# Cross-references: every reference into onebit_optax must resolve. Without
-# network access there is no intersphinx inventory for the libraries the
-# signatures and docstrings name, so references into them are not checked.
+# Cross-references: every reference into onebit_optax must resolve, and so must every
+# reference into jax, optax, flax, orbax and numpy, against their inventories shipped
+# in _inventories/ (written by _inventories/make_inventories.py: the build is offline).
 nitpicky = True
+intersphinx_mapping = {
+    name: (url, str(DOCS / "_inventories" / f"{name}.inv"))
+    for name, url in (("jax", "https://docs.jax.dev/en/latest/"),
+                      ("optax", "https://optax.readthedocs.io/en/latest/"),
+                      ("flax", "https://flax.readthedocs.io/en/latest/"),
+                      ("orbax", "https://orbax.readthedocs.io/en/latest/"),
+                      ("numpy", "https://numpy.org/doc/stable/"))
+}
+# Signatures name types by the module that defines them; link them to the public name.
+onebit_public_types = {
+    "jax.jaxlib._jax.Array": "jax.Array",
+    "jaxlib._jax.Array": "jax.Array",
+    "jax._src.mesh.Mesh": "jax.sharding.Mesh",
+    "optax._src.base.GradientTransformationExtraArgs": "optax.GradientTransformationExtraArgs",
+    "optax._src.base.GradientTransformation": "optax.GradientTransformation",
+}
+# learning_rate's type as written, not its expansion (optax's docs have no entry for it).
+autodoc_type_aliases = {"optax.ScalarOrSchedule": "optax.ScalarOrSchedule"}
 nitpick_ignore_regex = [
-    (r"py:.*", r"(jax|jaxlib|optax|chex|numpy|np|jnp|flax|nnx|orbax|ocp|typing|collections"
+    (r"py:.*", r"(jaxlib|chex|typing|collections"
      r"|types|abc|enum|dataclasses|functools|os|subprocess|argparse)(\..*)?"),
     (r"py:.*", r"(Array|ArrayTree|PyTree|Params|Updates|OptState|Hashable|Sequence|Callable"
      r"|Mapping|Any|Optional|Union|NamedTuple|PartitionSpec|NamedSharding|Mesh|Sharding"
      r"|GradientTransformation|GradientTransformationExtraArgs|ScalarOrSchedule|Schedule"
-     r"|DTypeLike|ArrayLike|ShapeDtypeStruct|Path|PathLike|CheckpointManager)"),
+     r"|DTypeLike|ArrayLike|ShapeDtypeStruct|Path|PathLike|CheckpointManager"
+     r"|optax\.ScalarOrSchedule)"),
 ]
 # Private names that public docstrings and signatures mention (not in __all__, so
 # they have no page). Each is a candidate for export or for rewording its docstring.
@@ -97,10 +117,6 @@ html_theme_options = {
 }
 html_show_sourcelink = False
 
-# MathJax 3 is loaded from its CDN (Sphinx's default). ONEBIT_DOCS_MATHJAX=<MathJax 3's
-# es5/ folder> (e.g. from `npm pack mathjax@3`) serves it from _static instead, to
-# read the math offline.
-_local_mathjax = os.environ.get("ONEBIT_DOCS_MATHJAX")
-if _local_mathjax:
-  html_static_path.append(_local_mathjax)
-  mathjax_path = "tex-mml-chtml.js"
+# Math: converted to MathML at build time (docs/_ext/onebit_mathml.py, the pinned
+# math-core package), which browsers render natively: no MathJax, no CDN, no network.
+html_math_renderer = "mathml"

@@ -400,8 +400,112 @@ def _field_docstring(app, what, name, obj, options, lines):
     lines[:] = [comment.replace("*", r"\*")]
 
 
+# ----------------------------------------------------------------------------
+# Code that names an API links to it: `onebit_adam(...)` in a guide links to its
+# API page, `optax.adam` to optax's (the inventories in docs/_inventories).
+
+# The module names pages use in code, and the library each stands for.
+MODULE_ALIASES = {
+    "onebit_optax": "onebit_optax", "jax": "jax", "jnp": "jax.numpy", "lax": "jax.lax",
+    "optax": "optax", "flax": "flax", "nnx": "flax.nnx", "orbax": "orbax",
+    "ocp": "orbax.checkpoint", "numpy": "numpy", "np": "numpy",
+}
+# A dotted name, not an attribute (after "."), a keyword argument ("name=") or a string.
+_NAME = re.compile(r"(?<![\w.'\"])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?![\w'\"]|=(?!=))")
+
+
+def _external_names() -> frozenset[str]:
+  """The library names the shipped inventories hold (docs/_inventories/make_inventories.py)."""
+  sys.path.insert(0, str(ROOT / "docs" / "_inventories"))
+  import make_inventories  # pylint: disable=import-outside-toplevel
+  return frozenset(line.split()[0] for library in make_inventories.TABLE
+                   for line in make_inventories.entries(library))
+
+
+def link_target(name: str, public: frozenset[str], external: frozenset[str]) -> str | None:
+  """What the code ``name`` refers to (``onebit_optax.X`` or a library's name), or None."""
+  head, _, rest = name.partition(".")
+  if not rest:
+    return f"onebit_optax.{name}" if name in public else None
+  if head not in MODULE_ALIASES:
+    return None
+  full = f"{MODULE_ALIASES[head]}.{rest}"
+  if head == "onebit_optax":
+    return full if rest in public else None
+  return full if full in external else None
+
+
+def code_links(text: str, public: frozenset[str], external: frozenset[str]):
+  """``(start, end, target)`` of every name in the code ``text`` that has an API entry."""
+  for match in _NAME.finditer(text):
+    target = link_target(match.group(1), public, external)
+    if target:
+      yield match.start(1), match.end(1), target
+
+
+def _link_code(app, doctree) -> None:
+  """Turns the API names in each inline code of a page into links (api/ pages excepted).
+
+  Code marked ``{.field}`` names a state or status field (`freeze_step`{.field}), not the
+  function of the same name, and stays as it is.
+  """
+  from docutils import nodes  # pylint: disable=import-outside-toplevel
+  from sphinx import addnodes  # pylint: disable=import-outside-toplevel
+  docname = app.env.docname
+  if docname.startswith("api/"):
+    return
+  public, external = frozenset(public_names()), _external_names()
+  for literal in list(doctree.findall(nodes.literal)):
+    if "field" in literal["classes"] or any(
+        isinstance(a, (nodes.reference, addnodes.pending_xref, nodes.title))
+        for a in _ancestors(literal)):
+      continue
+    text = literal.astext()
+    links = list(code_links(text, public, external))
+    if not links:
+      continue
+    linked, position = nodes.literal(literal.rawsource, "", classes=literal["classes"]), 0
+    for start, end, target in links:
+      if start > position:
+        linked += nodes.Text(text[position:start])
+      linked += addnodes.pending_xref(
+          "", nodes.inline(text[start:end], text[start:end]), refdomain="py", reftype="obj",
+          reftarget=target, refexplicit=True, refwarn=True, refdoc=docname)
+      position = end
+    if position < len(text):
+      linked += nodes.Text(text[position:])
+    literal.replace_self(linked)
+
+
+def _ancestors(node):
+  while node.parent is not None:
+    node = node.parent
+    yield node
+
+
+def _public_type(app, env, node, contnode):
+  """Resolves a signature's private type path (``jax._src.mesh.Mesh``) as its public name."""
+  public = app.config.onebit_public_types.get(node.get("reftarget"))
+  if public is None:
+    return None
+  from sphinx.ext import intersphinx  # pylint: disable=import-outside-toplevel
+  node["reftarget"] = public
+  return intersphinx.missing_reference(app, env, node, contnode)
+
+
+def _alias_signature(app, what, name, obj, options, signature, return_annotation):
+  """``Optional[alias]`` shows the alias, not Sphinx's ``TypeAliasForwardRef('alias')``."""
+  del app, what, name, obj, options
+  unwrap = lambda text: text and re.sub(r"TypeAliasForwardRef\('([\w.]+)'\)", r"\1", text)
+  return unwrap(signature), unwrap(return_annotation)
+
+
 def setup(app):
+  app.add_config_value("onebit_public_types", {}, "env")
+  app.connect("autodoc-process-signature", _alias_signature)
   app.connect("autodoc-process-docstring", _field_docstring)
+  app.connect("doctree-read", _link_code)
+  app.connect("missing-reference", _public_type, priority=400)
   return {"parallel_read_safe": True, "parallel_write_safe": True}
 
 
