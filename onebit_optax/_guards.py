@@ -7,11 +7,13 @@ import sys
 from typing import Hashable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["check_decay_rates", "check_learning_rate", "check_nonnegative", "check_mapped_region",
-           "check_wrappers", "check_state_layout"]
+__all__ = ["check_decay_rates", "check_learning_rate", "check_nonnegative", "check_step_counts",
+           "static_int", "check_mapped_region", "check_wrappers", "check_state_layout",
+           "check_same_tree", "check_float_params", "is_empty", "no_work"]
 
 
 def _known(value) -> Optional[float]:
@@ -46,25 +48,62 @@ def check_decay_rates(b1, b2, eps, caller: str) -> None:
 
 
 def check_nonnegative(caller: str, **values) -> None:
-  """Refuses known values that are negative or not finite (``max_update``: also 0).
+  """Refuses known values that are negative or NaN (and inf; ``max_update``: 0 too, inf allowed).
 
   ``weight_decay < 0`` grows the weights every step, ``variance_floor < 0``
   lets the frozen variance reach 0 (steps of ``1/eps``), ``max_update <= 0``
-  clips every post-freeze step to nothing or flips its sign: each diverges or
-  stalls with no error, so each is refused here.
+  clips every post-freeze step to nothing (training stops) or flips its sign:
+  each diverges or stalls with no error, so each is refused here.
+  ``max_update=float('inf')`` disables the clip.
   """
   why = {"weight_decay": "a negative decay grows the weights every step (0 disables it)",
          "variance_floor": "the floor keeps the frozen variance away from 0 (0 disables it)",
-         "max_update": "it bounds every coordinate's step after the freeze; None uses "
-                       "adam_update_bound(b1, b2)"}
+         "max_update": "it bounds every coordinate's step after the freeze, so 0 would stop "
+                       "training; None uses adam_update_bound(b1, b2), float('inf') disables "
+                       "the clip"}
   for name, value in values.items():
     known = None if value is None else _known(value)
     if known is None:
       continue
-    strict = name == "max_update"
-    if not np.isfinite(known) or known < 0 or (strict and known == 0):
-      bound = "> 0" if strict else ">= 0"
-      raise ValueError(f"{caller}: {name}={known!r} must be finite and {bound}: {why[name]}.")
+    if name == "max_update":
+      if not known > 0:  # NaN and -inf included
+        raise ValueError(f"{caller}: {name}={known!r} must be > 0: {why[name]}.")
+    elif not np.isfinite(known) or known < 0:
+      raise ValueError(f"{caller}: {name}={known!r} must be finite and >= 0: {why[name]}.")
+
+
+def check_step_counts(caller: str, low: int = 1, **values) -> None:
+  """Refuses step counts that are not whole numbers ``>= low`` (a bool, a string, 10.5, 0).
+
+  Traced values (``optax.inject_hyperparams``) pass: they are compared in the step.
+  """
+  for name, value in values.items():
+    if isinstance(value, jax.core.Tracer):
+      continue
+    number = isinstance(value, (int, float, np.integer, np.floating, np.ndarray, jax.Array))
+    known = _known(value) if number and not isinstance(value, (bool, np.bool_)) else None
+    if known is None or not np.isfinite(known) or known < low or known != int(known):
+      raise ValueError(
+          f"{caller}: {name}={value!r} must be an integer >= {low} (a number of steps; "
+          f"got a {type(value).__name__}).")
+
+
+def static_int(value, name: str, caller: str, *, low: int, why: str) -> int:
+  """``value`` as a Python int ``>= low``: it decides the state's layout, so it must be static.
+
+  ``optax.inject_hyperparams`` hands numeric arguments to the factory as arrays
+  (tracers in ``update``): the message says which ``static_args`` to pass.
+  """
+  if isinstance(value, (jax.core.Tracer, jax.Array)):
+    raise ValueError(
+        f"{caller}: {name} is traced (optax.inject_hyperparams injects numeric arguments "
+        f"as arrays); it decides the state's layout, so it must be static: pass "
+        f"static_args=({name!r},) to optax.inject_hyperparams.")
+  array = np.asarray(value) if isinstance(value, (int, np.integer)) else None
+  if (isinstance(value, (bool, np.bool_)) or array is None or array.ndim
+      or not np.issubdtype(array.dtype, np.integer) or value < low):
+    raise ValueError(f"{caller}: {name}={value!r} must be an int >= {low} ({why}).")
+  return int(value)
 
 
 def check_learning_rate(learning_rate, caller: str) -> None:
@@ -185,3 +224,81 @@ def check_state_layout(state, axis_name: Optional[Hashable], num_devices: int,
         f"in_specs gave them P(). Shard them with P({axis_name!r}) and everything else "
         f"with P(), which is what {specs} returns; use it as the state's in_specs and "
         "out_specs.")
+
+
+def is_empty(tree) -> bool:
+  """Whether ``tree`` holds no elements (no array leaves, or only leaves of size 0).
+
+  What ``optax.partition`` or ``optax.masked`` hands an optimizer whose label
+  or mask selects nothing (``optax.MaskedNode`` leaves are empty subtrees). As
+  in ``optax.adam``, that is no work rather than an error.
+  """
+  return all(np.size(leaf) == 0 for leaf in jax.tree.leaves(tree))
+
+
+def _listed(entries: list, limit: int = 4) -> str:
+  more = f", and {len(entries) - limit} more" if len(entries) > limit else ""
+  return ", ".join(entries[:limit]) + more
+
+
+def check_same_tree(updates, reference, caller: str) -> None:
+  """The gradients must have the keys and shapes of ``reference`` (the state's ``nu``).
+
+  The message names the leaves that differ (a transposed ``['l2']['w']``, a key
+  only one side has), not the first few of each tree.
+  """
+  if jax.tree.structure(updates) == jax.tree.structure(reference) and all(
+      np.shape(g) == np.shape(v)
+      for g, v in zip(jax.tree.leaves(updates), jax.tree.leaves(reference))):
+    return
+  ours = {jax.tree_util.keystr(p): tuple(np.shape(x))
+          for p, x in jax.tree_util.tree_leaves_with_path(updates)}
+  theirs = {jax.tree_util.keystr(p): tuple(np.shape(x))
+            for p, x in jax.tree_util.tree_leaves_with_path(reference)}
+  shapes = [f"{k}: {ours[k]} in the gradients, {theirs[k]} in the state"
+            + (" (transposed)" if ours[k] == theirs[k][::-1] else "")
+            for k in ours if k in theirs and ours[k] != theirs[k]]
+  extra = [f"{k}: {ours[k]}" for k in ours if k not in theirs]
+  missing = [f"{k}: {theirs[k]}" for k in theirs if k not in ours]
+  found = []
+  if shapes:
+    found.append(f"other shapes: {_listed(shapes)}")
+  if extra:
+    found.append(f"only in the gradients: {_listed(extra)}")
+  if missing:
+    found.append(f"only in the state: {_listed(missing)}")
+  if not found:  # same paths and shapes, other containers (a tuple for a list, None leaves)
+    found.append(f"same leaves in other containers: the gradients are "
+                 f"{jax.tree.structure(updates)}, the state {jax.tree.structure(reference)}")
+  raise ValueError(
+      f"{caller}: the gradient tree does not match the parameters the state was "
+      f"initialised with ({len(ours)} leaves in the gradients, {len(theirs)} in the state); "
+      f"{'; '.join(found)}. Pass gradients shaped like the params (same keys, same shapes, "
+      "not transposed); if the model changed, re-init the optimizer state.")
+
+
+def check_float_params(tree, caller: str) -> None:
+  """Every leaf must be a real floating-point array (an empty tree passes: see :func:`is_empty`)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"{caller}: leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only "
+          "real floating-point parameters can be optimized (complex ones are not "
+          "supported: split them into real and imaginary parts). Keep integer/bool "
+          "leaves out of the optimizer, e.g. with optax.masked or optax.partition.")
+
+
+def no_work(updates, state, state_type, caller: str) -> bool:
+  """Whether this update has nothing to do: no gradient elements, for a state made for none.
+
+  The optimizer then returns the (empty) updates and the state as they are: no
+  collective runs, and every device agrees (the tree's structure is static).
+  """
+  if not is_empty(updates):
+    return False
+  if not isinstance(state, state_type):
+    raise TypeError(f"{caller} got a {type(state).__name__} state; pass the state returned "
+                    "by this transformation's init.")
+  check_same_tree(updates, state.nu, caller)
+  return True

@@ -384,50 +384,11 @@ def _updates(hp: _Hyper, plan: _Plan, grads, state, ex: _Exchange, mo: _Moments,
   return out
 
 
-def _check_params(params) -> int:
-  leaves_with_path = jax.tree_util.tree_leaves_with_path(params)
-  if not leaves_with_path:
-    raise ValueError(
-        "onebit_adam got empty params (no array leaves): there is nothing to optimize. "
-        "Pass the model's parameter pytree.")
-  for path, leaf in leaves_with_path:
-    dtype = jnp.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(
-          f"onebit_adam: leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only "
-          "real floating-point parameters can be optimized (complex ones are not "
-          "supported: split them into real and imaginary parts). Keep integer/bool "
-          "leaves out of the optimizer, e.g. with optax.masked or optax.partition.")
-  size = sum(int(np.prod(np.shape(leaf))) for _, leaf in leaves_with_path)
-  if size == 0:
-    raise ValueError(
-        "onebit_adam got params whose leaves all have size 0: there is nothing to "
-        "optimize.")
-  return size
-
-
 def _check_float_dtype(name, dtype):
   dtype = jnp.dtype(F32 if dtype is None else dtype)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f"{name} must be a floating-point dtype, got {dtype}.")
   return dtype
-
-
-def _check_exact_below(exact_below) -> int:
-  """``exact_below`` as a Python int: it decides the state's layout, so it must be static."""
-  if exact_below is None:
-    return _layout.EXACT_BELOW
-  if isinstance(exact_below, jax.core.Tracer):
-    raise ValueError(
-        "scale_by_onebit_adam: exact_below is traced (optax.inject_hyperparams injects "
-        "numeric arguments); it decides the state's layout, so it must be static: pass "
-        "static_args=('exact_below',) to optax.inject_hyperparams.")
-  value = np.asarray(exact_below)
-  if value.ndim or not np.issubdtype(value.dtype, np.integer) or value < 0:
-    raise ValueError(
-        f"scale_by_onebit_adam: exact_below={exact_below!r} must be an int >= 0 (leaves "
-        "with fewer elements travel as float32; 0 compresses every leaf).")
-  return int(value)
 
 
 def _plan(tree, axis_name, model_axis, exact_below: int, caller: str) -> _Plan:
@@ -474,25 +435,6 @@ def _placeholder_state(params) -> ScaleByOnebitAdamState:
   return ScaleByOnebitAdamState(**{**fields, "mu": params, "nu": params})
 
 
-def _describe(tree) -> str:
-  leaves = jax.tree_util.tree_leaves_with_path(tree)
-  shown = ", ".join(f"{jax.tree_util.keystr(p)}: {tuple(np.shape(x))}" for p, x in leaves[:4])
-  return f"{len(leaves)} leaves ({shown}{', ...' if len(leaves) > 4 else ''})"
-
-
-def _check_tree(updates, state, caller: str) -> None:
-  """The gradients must have the structure and shapes of the parameters the state was made for."""
-  same = jax.tree.structure(updates) == jax.tree.structure(state.nu) and all(
-      np.shape(g) == np.shape(v) for g, v in zip(jax.tree.leaves(updates),
-                                                  jax.tree.leaves(state.nu)))
-  if not same:
-    raise ValueError(
-        f"{caller}: the gradient tree does not match the parameters the state was "
-        f"initialised with: the gradients have {_describe(updates)}, the state "
-        f"{_describe(state.nu)}. Pass gradients shaped like the params (same keys, same "
-        "shapes, not transposed); if the model changed, re-init the optimizer state.")
-
-
 def _check_buffers(state, plan: _Plan, caller: str) -> None:
   expected = _buffer_shapes(plan)
   found = {name: None if getattr(state, name) is None else tuple(np.shape(getattr(state, name)))
@@ -514,12 +456,12 @@ def _check_update(updates, state, axis_name, model_axis, exact_below) -> _Plan:
     raise TypeError(
         f"{caller} got a {type(state).__name__} state; pass the state returned by this "
         "transformation's init.")
-  _check_params(updates)
+  _guards.check_float_params(updates, caller)
   _guards.check_wrappers(axis_name, caller)
   _guards.check_mapped_region(axis_name, caller)
   plan = _plan(updates, axis_name, model_axis, exact_below, caller)
   _guards.check_state_layout(state, axis_name, plan.axes.num_devices, caller)
-  _check_tree(updates, state, caller)
+  _guards.check_same_tree(updates, state.nu, caller)
   _check_buffers(state, plan, caller)
   replicated = [name for name in _collective.axis_names(axis_name)
                 if name in _collective._varying_axes(state.worker_scale)
@@ -751,19 +693,23 @@ def scale_by_onebit_adam(
   moment_dtype = _check_float_dtype("moment_dtype", moment_dtype)
   error_dtype = _check_float_dtype("error_dtype", error_dtype)
   _collective.split_axes(axis_name)  # refuses a malformed tuple now, not at the first step
-  exact_below = _check_exact_below(exact_below)
+  exact_below = _layout.EXACT_BELOW if exact_below is None else _guards.static_int(
+      exact_below, "exact_below", "scale_by_onebit_adam", low=0,
+      why="leaves with fewer elements travel as float32; 0 compresses every leaf")
   hp = _Hyper(b1, b2, eps, variance_floor, max_update, policy, skip_nonfinite, int(exact_below))
 
   def init_fn(params):
     if type(params).__name__ == "_ParamsPlaceholder":
       return _placeholder_state(params)
-    _check_params(params)
+    _guards.check_float_params(params, "scale_by_onebit_adam.init")
     _guards.check_mapped_region(axis_name, "scale_by_onebit_adam.init")
     plan = _plan(params, axis_name, model_axis, hp.exact_below, "scale_by_onebit_adam.init")
     return _init(params, plan, moment_dtype, error_dtype)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
+    if _guards.no_work(updates, state, ScaleByOnebitAdamState, "scale_by_onebit_adam.update"):
+      return updates, state  # a partition or mask left this optimizer no parameters
     return _update(updates, state, hp, axis_name, model_axis)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

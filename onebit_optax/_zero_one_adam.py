@@ -68,19 +68,14 @@ class ScaleByZeroOneAdamState(NamedTuple):
 
 
 def _check_static(var_freeze_step, var_update_scaler, local_steps, local_step_scaler,
-                  learning_rate, weight_decay, variance_ema) -> Optional[int]:
-  """Refuses values that cannot work, where they are known; returns H (or None)."""
+                  learning_rate, variance_ema, **nonnegative) -> Optional[int]:
+  """Refuses values that cannot work, where they are known (the checks 1-bit Adam uses); returns H."""
   if variance_ema not in VARIANCE_EMAS:
     raise ValueError(f"{_CALLER}: variance_ema={variance_ema!r} must be one of {VARIANCE_EMAS}.")
-  for name, value, low in (("var_freeze_step", var_freeze_step, 1),
-                           ("var_update_scaler", var_update_scaler, 1),
-                           ("local_step_scaler", local_step_scaler, 1)):
-    known = _guards._known(value)
-    if known is not None and (known < low or known != int(known)):
-      raise ValueError(f"{_CALLER}: {name}={value!r} must be an integer >= {low}.")
-  known = _guards._known(weight_decay)
-  if known is not None and not known >= 0.0:
-    raise ValueError(f"{_CALLER}: weight_decay={weight_decay!r} must be >= 0.")
+  _guards.check_step_counts(_CALLER, var_freeze_step=var_freeze_step,
+                            var_update_scaler=var_update_scaler,
+                            local_step_scaler=local_step_scaler)
+  _guards.check_nonnegative(_CALLER, **nonnegative)
   if local_steps is None:
     if learning_rate is not None:
       raise ValueError(
@@ -88,15 +83,15 @@ def _check_static(var_freeze_step, var_update_scaler, local_steps, local_step_sc
           "steps (the sync divides by the sum of the learning rates); without them chain "
           "optax.scale_by_learning_rate, as zero_one_adam does.")
     return None
-  if isinstance(local_steps, bool) or not isinstance(local_steps, (int, np.integer)) or local_steps < 1:
-    raise ValueError(
-        f"{_CALLER}: local_steps={local_steps!r} must be None (no local steps) or an int "
-        "H >= 1, the largest number of steps between two syncs.")
+  local_steps = _guards.static_int(
+      local_steps, "local_steps", _CALLER, low=1,
+      why="or None: the largest number of steps between two syncs")
   if learning_rate is None:
     raise ValueError(
         f"{_CALLER}: with local_steps, pass learning_rate= (a scalar or a schedule): each "
         "device applies its own steps and the sync rebuilds the momentum from their sum.")
-  return int(local_steps)
+  _guards.check_learning_rate(learning_rate, _CALLER)
+  return local_steps
 
 
 def _plan(tree, axis_name, exact_below: int, caller: str) -> _steps.Plan:
@@ -208,25 +203,9 @@ def _update(updates, state, params, hp: _steps.Hyper, axis_name):
   return jax.tree.unflatten(plan.treedef, out), _next_state(hp, plan, state, sched, res)
 
 
-def _check_params(tree, caller: str) -> None:
-  leaves = jax.tree_util.tree_leaves_with_path(tree)
-  if not leaves or sum(int(np.prod(np.shape(x))) for _, x in leaves) == 0:
-    raise ValueError(f"{caller}: the parameters have no elements: there is nothing to optimize.")
-  for path, leaf in leaves:
-    dtype = leaf.dtype if hasattr(leaf, "dtype") else jnp.asarray(leaf).dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(
-          f"{caller}: leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only real "
-          "floating-point parameters can be optimized (keep others out with optax.masked).")
-
-
 def _check_layout(updates, state, plan: _steps.Plan, caller: str) -> None:
   """The state belongs to these parameters on this mesh, and arrived sharded per device."""
-  same = jax.tree.structure(updates) == jax.tree.structure(state.nu) and all(
-      np.shape(g) == np.shape(v) for g, v in zip(jax.tree.leaves(updates), jax.tree.leaves(state.nu)))
-  if not same:
-    raise ValueError(f"{caller}: the gradient tree does not match the parameters the state "
-                     "was initialised with; pass gradients shaped like the params.")
+  _guards.check_same_tree(updates, state.nu, caller)
   specs = f"onebit_optax.zero_one_partition_specs(state, {plan.axes.data!r})"
   if np.ndim(state.count) != 0:
     raise ValueError(f"{caller}: the state has a leading device axis (a jax.pmap state); under "
@@ -264,7 +243,7 @@ def _check_update(updates, state, params, hp, axis_name) -> _steps.Plan:
   caller = f"{_CALLER}.update"
   if not isinstance(state, ScaleByZeroOneAdamState):
     raise TypeError(f"{caller} got a {type(state).__name__}; pass the state its init returned.")
-  _check_params(updates, caller)
+  _guards.check_float_params(updates, caller)
   _guards.check_wrappers(axis_name, caller)
   _guards.check_mapped_region(axis_name, caller)
   plan = _plan(updates, axis_name, hp.exact_below, caller)
@@ -482,21 +461,27 @@ def scale_by_zero_one_adam(
   """
   _guards.check_decay_rates(b1, b2, eps, _CALLER)
   local_steps = _check_static(var_freeze_step, var_update_scaler, local_steps,
-                              local_step_scaler, learning_rate, weight_decay, variance_ema)
+                              local_step_scaler, learning_rate, variance_ema,
+                              weight_decay=weight_decay, variance_floor=variance_floor,
+                              max_update=max_update)
   _collective.split_axes(axis_name)
-  exact_below = _layout.EXACT_BELOW if exact_below is None else int(exact_below)
+  exact_below = _layout.EXACT_BELOW if exact_below is None else _guards.static_int(
+      exact_below, "exact_below", _CALLER, low=0,
+      why="leaves with fewer elements travel as float32; 0 compresses every leaf")
   hp = _steps.Hyper(b1, b2, eps, variance_floor, max_update, var_freeze_step, var_update_scaler,
                     local_steps, local_step_scaler, learning_rate, weight_decay, mask,
                     bool(skip_nonfinite), exact_below, variance_ema == "per_step")
 
   def init_fn(params):
-    _check_params(params, f"{_CALLER}.init")
+    _guards.check_float_params(params, f"{_CALLER}.init")
     _guards.check_mapped_region(axis_name, f"{_CALLER}.init")
     plan = _plan(params, axis_name, exact_below, f"{_CALLER}.init")
     return _init(params, plan, local_steps is not None)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
+    if _guards.no_work(updates, state, ScaleByZeroOneAdamState, f"{_CALLER}.update"):
+      return updates, state  # a partition or mask left this optimizer no parameters
     return _update(updates, state, params, hp, axis_name)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -605,6 +590,7 @@ def zero_one_adam(
     Lu et al., `Maximizing Communication Efficiency for Large-scale Training via
     0/1 Adam <https://arxiv.org/abs/2202.06009>`_, ICLR 2023.
   """
+  _guards.check_learning_rate(learning_rate, "zero_one_adam")
   inner = dict(axis_name=axis_name, var_freeze_step=var_freeze_step, mask=mask,
                var_update_scaler=var_update_scaler, local_step_scaler=local_step_scaler,
                variance_floor=variance_floor, max_update=max_update,
