@@ -38,95 +38,116 @@ def _commit_in_md(name: str) -> str:
   return match.group(1) if match else "?"
 
 
+# The summary's columns: what was measured, on what, one number per optimizer, the source.
+HEAD = ["| measured | setting | 1-bit Adam | 0/1 Adam | results (commit) |",
+        "|---|---|---|---|---|"]
+NONE = "–"  # not measured by that benchmark
+
+
+def _row(measured: str, setting: str, onebit: str, zero_one: str, source: str) -> str:
+  return f"| {measured} | {setting} | {onebit} | {zero_one} | {source} |"
+
+
 def _convergence_rows(link) -> list[str]:
+  """Per task: the final validation loss against AdamW's, then the bytes against AdamW's.
+
+  0/1 Adam's numbers come from the same convergence.json when its run evaluated 0/1
+  Adam (the full protocol), else from convergence_zero_one.json.
+  """
   data = _load("convergence")
   if data is None:
     return []
-  rows = []
+  zero_one_stem = "convergence"
+  if not any("zero_one" in t.get("eval", {}) for t in data["tasks"]):
+    zero_one_stem = "convergence_zero_one"
+  zero_one_data = _load(zero_one_stem) or {"tasks": []}
+  zero_one_eval = {t["title"]: t["eval"] for t in zero_one_data["tasks"] if "zero_one" in t["eval"]}
+  mean_bytes = lambda recs: sum(r["total_bytes"] for r in recs) / len(recs)
+  loss_rows, byte_rows = [], []
   for task in data["tasks"]:
-    ev = task["eval"]
+    ev, name = task["eval"], task["title"].split(":")[0]
     paired = _conv_report.paired_stats(ev["onebit"], ev["adamw"])
-    sent = sum(r["total_bytes"] for r in ev["onebit"]) / len(ev["onebit"])
-    base = task["allreduce_bytes_per_step"] * task["steps"]
-    name = task["title"].split(":")[0]
-    rows.append(
-        f"| final validation loss vs tuned AdamW | {name}, {task['params']:,} parameters, "
-        f"{task['steps']} steps, {task['devices']} devices, {paired['n']} fresh seeds | "
-        f"{paired['mean']:+.2f}% (s.e. {paired['se']:.2f}%), {base / sent:.1f}x fewer bytes | "
-        f"{link('convergence')} ({data['meta']['git']}) |")
-  return rows + _zero_one_convergence_rows(link)
-
-
-def _zero_one_convergence_rows(link) -> list[str]:
-  """0/1 Adam (its chosen defaults) against AdamW and 1-bit Adam.
-
-  From convergence.json when its run evaluated 0/1 Adam (the full protocol),
-  else from convergence_zero_one.json (a ``--name convergence_zero_one`` run).
-  """
-  stem = "convergence"
-  data = _load(stem)
-  if data is None or not any("zero_one" in t.get("eval", {}) for t in data["tasks"]):
-    stem = "convergence_zero_one"
-    data = _load(stem)
-  if data is None:
-    return []
-  rows = []
-  for task in data["tasks"]:
-    ev = task["eval"]
-    if "zero_one" not in ev:
-      continue
-    paired = _conv_report.paired_stats(ev["zero_one"], ev["adamw"])
-    mean = lambda recs: sum(r["total_bytes"] for r in recs) / len(recs)
-    sent = mean(ev["zero_one"])
-    rounds = sum(_conv_report.rounds(dict(r, allreduce_bytes=task["allreduce_bytes_per_step"]))[0]
-                 for r in ev["zero_one"]) / len(ev["zero_one"])
-    name = task["title"].split(":")[0]
-    # No "N parameters" here: tests/test_docs.py matches the 1-bit rows by it.
-    rows.append(
-        f"| 0/1 Adam ({task['zero_one_chosen']}): final validation loss vs tuned AdamW | "
-        f"{name}, {task['steps']} steps, {task['devices']} devices, {paired['n']} fresh seeds | "
-        f"{paired['mean']:+.2f}% (s.e. {paired['se']:.2f}%), "
-        f"{mean(ev['adamw']) / sent:.1f}x fewer bytes than AdamW, "
-        f"{mean(ev['onebit']) / sent:.1f}x fewer than 1-bit Adam, {rounds:.0f} rounds of "
-        f"{task['steps']} | {link(stem)} ({data['meta']['git']}) |")
-  return rows
+    adamw_bytes = task["allreduce_bytes_per_step"] * task["steps"]
+    onebit_loss = f"{paired['mean']:+.2f}% (s.e. {paired['se']:.2f}%)"
+    onebit_bytes = f"{adamw_bytes / mean_bytes(ev['onebit']):.1f}x fewer"
+    zero_one_loss = zero_one_bytes = NONE
+    source = f"{link('convergence')} ({data['meta']['git']})"
+    zev = zero_one_eval.get(task["title"])
+    if zev is not None:
+      zpaired = _conv_report.paired_stats(zev["zero_one"], zev["adamw"])
+      zero_one_loss = f"{zpaired['mean']:+.2f}% (s.e. {zpaired['se']:.2f}%)"
+      zero_one_bytes = f"{mean_bytes(zev['adamw']) / mean_bytes(zev['zero_one']):.1f}x fewer"
+      if zero_one_stem != "convergence":
+        source += f", {link(zero_one_stem)} ({zero_one_data['meta']['git']})"
+    setting = f"{name}, {task['steps']} steps, {task['devices']} devices"
+    loss_rows.append(_row(
+        "final validation loss vs tuned AdamW (paired mean)",
+        f"{name}, {task['params']:,} parameters, {task['steps']} steps, {task['devices']} "
+        f"devices, {paired['n']} fresh seeds", onebit_loss, zero_one_loss, source))
+    byte_rows.append(_row("bytes sent vs AdamW", setting, onebit_bytes, zero_one_bytes, source))
+  return loss_rows + byte_rows
 
 
 def _shift_rows(link) -> list[str]:
-  """The gap to AdamW after the data shift, per optimizer (benchmarks/data_shift.py)."""
+  """The gap to AdamW after the data shift (benchmarks/data_shift.py), one row per variant."""
   data = _load("data_shift")
   if data is None:
     return []
   summ = _shift_report.summary(data)
-  names = dict(onebit="frozen v", onebit_restart="new state at the shift",
-               zero_one="0/1 Adam (DeepSpeed's EMA)", zero_one_step="0/1 Adam (per-step EMA)")
-  cells = [f"{label} {summ[k]['after_ms'][0]:+.2f}% (s.e. {summ[k]['after_ms'][1]:.2f}%)"
-           for k, label in names.items() if k in summ]
-  if not cells or "onebit" not in summ:
+  if "onebit" not in summ:
     return []
+  gap = lambda kind: (f"{summ[kind]['after_ms'][0]:+.2f}% (s.e. {summ[kind]['after_ms'][1]:.2f}%)"
+                      if kind in summ else NONE)
   cfg, commits = data["config"], sorted({i["git"] for i in data["meta"].get("invocations", [])})
-  # No "N parameters" here: tests/test_docs.py matches the 1-bit rows by it.
-  return [f"| gap to AdamW after a data shift (prose, then Python source) | char GPT, "
-          f"{cfg['steps']} steps (shift at "
-          f"{cfg['steps'] // 2}), {cfg['devices']} devices, {summ['onebit']['after_ms'][2]} seeds | "
-          f"before the shift {summ['onebit']['before_ms'][0]:+.2f}%; after: " + ", ".join(cells)
-          + f" | {link('data_shift')} ({', '.join(commits) or data['meta']['git']}) |"]
+  setting = (f"char GPT, {cfg['steps']} steps (shift at {cfg['steps'] // 2}), "
+             f"{cfg['devices']} devices, {summ['onebit']['after_ms'][2]} seeds")
+  source = f"{link('data_shift')} ({', '.join(commits) or data['meta']['git']})"
+  return [
+      _row("gap to AdamW after a data shift (prose, then Python source)", setting,
+           gap("onebit"), gap("zero_one"), source),
+      _row("the same, with a new optimizer state at the shift", setting, gap("onebit_restart"),
+           NONE, source),
+      _row("the same, with `variance_ema='per_step'`", setting, NONE, gap("zero_one_step"),
+           source)]
+
+
+def _zero_one_throughput() -> dict[str, str]:
+  """0/1 Adam's steps/s x Adam's, by kind of step, as comm_throughput_zero_one.md states it."""
+  path = RESULTS / "comm_throughput_zero_one.md"
+  line = re.search(r"^- 0/1 Adam, .*steps/s by phase \(x Adam\): (.*)$",
+                   path.read_text(), flags=re.M) if path.exists() else None
+  return dict(re.findall(r"(\w+) [\d.]+ \(([\d.]+x)\)", line.group(1))) if line else {}
 
 
 def _throughput_rows(link) -> list[str]:
-  data = _load("comm_throughput_rates")
-  if data is None:
-    return []
+  """Steps/s against Adam's: 1 Gbit/s from the run that measured both optimizers, the other
+  link rates from the rates run (1-bit Adam only)."""
   rows = []
-  for run in data["runs"]:
+  both = _load("comm_throughput_zero_one")
+  zero_one = _zero_one_throughput()
+  if both is not None:
+    run = both["runs"][0]
     s = run["summary"]
-    compression = s["adam"]["step_s"] / s["onebit_compression"]["step_s"]
-    warmup = s["adam"]["step_s"] / s["onebit_warmup"]["step_s"]
-    rows.append(
-        f"| steps/s vs `optax.adam` + `pmean` | {run['num_ranks']} CPU processes, "
-        f"{run['num_params'] / 1e6:.1f}M parameters, {run['short_label']} links | "
-        f"{compression:.2f}x after the freeze ({warmup:.2f}x in warmup) | "
-        f"{link('comm_throughput_rates')} ({_commit_in_md('comm_throughput_rates')}) |")
+    setting = (f"{run['num_ranks'] if 'num_ranks' in run else both['args']['ranks']} CPU "
+               f"processes, 25.6M parameters, {run['short_label']} links")
+    source = f"{link('comm_throughput_zero_one')} ({both['commit']})"
+    rows.append(_row("steps/s vs `optax.adam` + `pmean`, compressed steps", setting,
+                     f"{s['adam']['step_s'] / s['onebit_compression']['step_s']:.2f}x",
+                     zero_one.get("compressed", NONE), source))
+    rows.append(_row("steps/s vs `optax.adam` + `pmean`, float32 steps (warmup, variance)",
+                     setting, f"{s['adam']['step_s'] / s['onebit_warmup']['step_s']:.2f}x",
+                     zero_one.get("variance", NONE), source))
+  data = _load("comm_throughput_rates")
+  for run in (data or {"runs": []})["runs"]:
+    if both is not None and run["short_label"] == both["runs"][0]["short_label"]:
+      continue  # measured above, on newer code, beside 0/1 Adam
+    s = run["summary"]
+    rows.append(_row(
+        "steps/s vs `optax.adam` + `pmean`, compressed steps",
+        f"{run['num_ranks']} CPU processes, {run['num_params'] / 1e6:.1f}M parameters, "
+        f"{run['short_label']} links",
+        f"{s['adam']['step_s'] / s['onebit_compression']['step_s']:.2f}x", NONE,
+        f"{link('comm_throughput_rates')} ({_commit_in_md('comm_throughput_rates')})"))
   return rows
 
 
@@ -139,10 +160,9 @@ def _compute_rows(link) -> list[str]:
   for r in data["rows"]:
     if r["size"] == 10_000_000 and r["run"] == last:
       where = "one device" if r["setting"] == "single" else "2-device mesh, per device"
-      rows.append(
-          f"| optimizer step time vs `optax.adam` | {where}, 10M parameters, CPU | "
-          f"{r['warmup_ratio']:.2f}x in warmup, {r['compression_ratio']:.2f}x after | "
-          f"{link('optimizer_compute')} ({data['runs'][last - 1]['commit']}) |")
+      rows.append(_row("optimizer step time vs `optax.adam`, compressed steps",
+                       f"{where}, 10M parameters, CPU", f"{r['compression_ratio']:.2f}x", NONE,
+                       f"{link('optimizer_compute')} ({data['runs'][last - 1]['commit']})"))
   return rows
 
 
@@ -151,9 +171,9 @@ def _compile_rows(link) -> list[str]:
   if data is None:
     return []
   row = data["rows"][-1]
-  return [f"| compile time vs `optax.adam` + `pmean` | 8 devices, {row['leaves']} leaves | "
-          f"{row['ratio']:.1f}x | {link('compile_time')} "
-          f"({data['runs'][row['run'] - 1]['commit']}) |"]
+  return [_row("compile time vs `optax.adam` + `pmean`", f"8 devices, {row['leaves']} leaves",
+               f"{row['ratio']:.1f}x", NONE,
+               f"{link('compile_time')} ({data['runs'][row['run'] - 1]['commit']})")]
 
 
 def summary(link: Callable[[str], str] | None = None) -> str:
@@ -164,8 +184,7 @@ def summary(link: Callable[[str], str] | None = None) -> str:
           + _compile_rows(link))
   if not rows:
     return "_No results yet: run the benchmarks (benchmarks/*.py)._"
-  head = ["| measured | setting | 1-bit Adam | results (commit) |", "|---|---|---|---|"]
-  return "\n".join(head + rows)
+  return "\n".join(HEAD + rows)
 
 
 def _block(name: str) -> str:
