@@ -185,15 +185,63 @@ _WRAPPER_ADVICE = {
 }
 
 
+class LocalClippingWarning(UserWarning):
+  """``optax.clip_by_global_norm`` before a communicating optimizer clips each device alone."""
+
+
+@functools.lru_cache(maxsize=1)
+def _chain_codes() -> tuple:
+  """Code objects of ``optax.chain``'s update and ``optax.clip_by_global_norm``'s update."""
+  return (optax.chain(optax.identity()).update.__code__,
+          optax.clip_by_global_norm(1.0).update.__code__)
+
+
+def _is_optax_clip(update, clip_code) -> bool:
+  """Whether a chain element's update is ``optax.clip_by_global_norm``'s (maybe wrapped for extra args)."""
+  if getattr(update, "__code__", None) is clip_code:
+    return True
+  cells = getattr(update, "__closure__", None) or ()
+  inner = [c.cell_contents for c in cells if isinstance(
+      getattr(c, "cell_contents", None), optax.GradientTransformation)]
+  return any(getattr(t.update, "__code__", None) is clip_code for t in inner)
+
+
+def _warn_local_clipping(frame, axis_name, caller: str) -> None:
+  """Warns if ``frame`` is an ``optax.chain`` update whose elements before this one hold optax's clip.
+
+  The chain's locals name the element running now (``fn``) and all of them
+  (``update_fns``), so the order is known: a clip *after* the optimizer sees
+  replicated updates and is fine.
+  """
+  names = frame.f_locals
+  update_fns, current = names.get("update_fns"), names.get("fn")
+  if not isinstance(update_fns, tuple) or current not in update_fns:
+    return
+  clip_code = _chain_codes()[1]
+  if any(_is_optax_clip(f, clip_code) for f in update_fns[:update_fns.index(current)]):
+    import warnings  # pylint: disable=import-outside-toplevel
+    warnings.warn(
+        f"{caller}: optax.clip_by_global_norm before this optimizer (axis_name="
+        f"{axis_name!r}) clips each device's local gradient by its own norm: not the "
+        "mean gradient's norm, and a different factor on every device. Use "
+        f"onebit_optax.clip_by_global_norm(max_norm, axis_name={axis_name!r}), which "
+        "agrees on one factor with one scalar all-reduce.", LocalClippingWarning,
+        stacklevel=2)
+
+
 def check_wrappers(axis_name: Optional[Hashable], caller: str) -> None:
   """Refuses ``optax.MultiSteps`` / ``optax.apply_if_finite`` around a communicating update.
 
   Read off the Python stack while tracing (free at run time). Without an axis
-  there is no communication and both wrappers work.
+  there is no communication and both wrappers work. Also warns
+  (:class:`LocalClippingWarning`) when an enclosing ``optax.chain`` runs
+  ``optax.clip_by_global_norm`` before this update: it would clip each
+  device's local gradient alone.
   """
   if axis_name is None:
     return
   codes = _wrapper_codes()
+  chain_code = _chain_codes()[0]
   frame = sys._getframe(1)  # pylint: disable=protected-access
   while frame is not None:
     wrapper = codes.get(frame.f_code)
@@ -201,6 +249,8 @@ def check_wrappers(axis_name: Optional[Hashable], caller: str) -> None:
       raise ValueError(
           f"{caller}: {wrapper} around onebit_adam(axis_name={axis_name!r}) does not "
           f"work: {_WRAPPER_ADVICE[wrapper]}")
+    if frame.f_code is chain_code:
+      _warn_local_clipping(frame, axis_name, caller)
     frame = frame.f_back
 
 

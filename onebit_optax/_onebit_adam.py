@@ -749,6 +749,12 @@ def onebit_adam(
   mean gradient during warmup, then frozen-variance momentum SGD whose momentum
   is averaged with error-compensated 1-bit compression.
 
+  To clip gradients, chain :func:`onebit_optax.clip_by_global_norm` (with the
+  same ``axis_name``) before it: the gradients it sees are each device's
+  local ones, so :func:`optax.clip_by_global_norm` there would clip each
+  device by its own norm (not the mean gradient's, and a different factor on
+  every device); tracing the update under ``optax.chain`` warns of that.
+
   Args:
     learning_rate: a scalar or an optax schedule.
     b1: decay rate of the first moment.

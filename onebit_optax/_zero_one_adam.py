@@ -548,6 +548,12 @@ def zero_one_adam(
   between syncs, use ``params`` (the synced point) or gather
   ``zero_one_local_params`` (each device's copy).
 
+  To clip gradients, chain :func:`onebit_optax.clip_by_global_norm` (with the
+  same ``axis_name``) before it: :func:`optax.clip_by_global_norm` on the
+  local gradients would clip each device by its own norm (not the mean
+  gradient's, and a different factor on every device); tracing the update
+  under ``optax.chain`` warns of that.
+
   Args:
     learning_rate: a scalar or an optax schedule.
     b1: decay rate of the first moment.

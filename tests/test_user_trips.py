@@ -2,6 +2,7 @@
 
 import functools
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -159,19 +160,13 @@ def test_empty_params_are_no_work(make, params):
   assert jax.tree.structure(new_state) == jax.tree.structure(state)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: onebit_optax.zero_one_adam(0.1, axis_name="data", var_freeze_step=2),
-    lambda: onebit_optax.onebit_adam(0.1, axis_name="data", freeze=2),
-], ids=["zero_one", "onebit"])
-def test_a_partition_label_with_no_leaves_trains_under_shard_map(make):
-  # optax.partition hands the unused label's optimizer only MaskedNode()s: no parameters.
+def _train(tx, steps=1):
+  """``steps`` of the shard_map recipe on a small linear model (w, b); returns params, state."""
   mesh = jax.make_mesh((N,), ("data",))
   params = jax.device_put({"w": jnp.ones((8, 16)), "b": jnp.zeros(16)},
                           jax.sharding.NamedSharding(mesh, P()))
-  labels = {"w": "adam", "b": "adam"}
-  tx = optax.partition({"adam": optax.chain(onebit_optax.mean_updates("data"),
-                                            optax.adam(0.1)),
-                        "onebit": make()}, labels)
+  x = jax.device_put(jnp.arange(N * 4 * 8, dtype=jnp.float32).reshape(N * 4, 8) / 10.0,
+                     jax.sharding.NamedSharding(mesh, P("data")))
   state = onebit_optax.init_sharded(tx, params, mesh)
   specs = onebit_optax.state_partition_specs(state, "data")
 
@@ -184,10 +179,22 @@ def test_a_partition_label_with_no_leaves_trains_under_shard_map(make):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  x = jnp.arange(N * 4 * 8, dtype=jnp.float32).reshape(N * 4, 8) / 100.0
-  x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
-  for _ in range(3):
+  for _ in range(steps):
     params, state = step(params, state, x)
+  return params, state
+
+
+@pytest.mark.parametrize("make", [
+    lambda: onebit_optax.zero_one_adam(0.1, axis_name="data", var_freeze_step=2),
+    lambda: onebit_optax.onebit_adam(0.1, axis_name="data", freeze=2),
+], ids=["zero_one", "onebit"])
+def test_a_partition_label_with_no_leaves_trains_under_shard_map(make):
+  # optax.partition hands the unused label's optimizer only MaskedNode()s: no parameters.
+  labels = {"w": "adam", "b": "adam"}
+  tx = optax.partition({"adam": optax.chain(onebit_optax.mean_updates("data"),
+                                            optax.adam(0.1)),
+                        "onebit": make()}, labels)
+  params, _ = _train(tx, steps=3)
   assert float(jnp.max(jnp.abs(params["w"] - 1.0))) > 0.0
 
 
@@ -198,3 +205,45 @@ def test_gradients_for_a_state_made_for_nothing_are_refused(make):
     tx.update({"w": jnp.ones(3)}, tx.init({}), None)
   with pytest.raises(ValueError, match=re.escape("only in the state: ['w']: (3,)")):
     tx.update({}, tx.init({"w": jnp.ones(3)}), {})
+
+
+# --- 5. optax.clip_by_global_norm before a communicating optimizer -------------------------
+
+_OPTIMIZERS = {
+    "onebit": lambda: onebit_optax.onebit_adam(0.1, axis_name="data", freeze=3),
+    "zero_one": lambda: onebit_optax.zero_one_adam(0.1, axis_name="data", var_freeze_step=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+@pytest.mark.parametrize("nested", [False, True], ids=["chain", "nested_chain"])
+def test_optax_clipping_of_local_gradients_warns(name, nested):
+  inner = _OPTIMIZERS[name]()
+  if nested:
+    inner = optax.chain(optax.identity(), inner)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), inner)
+  with pytest.warns(UserWarning, match=re.escape(
+      "optax.clip_by_global_norm before this optimizer (axis_name='data') clips each "
+      "device's local gradient by its own norm")) as record:
+    _train(tx)
+  assert "onebit_optax.clip_by_global_norm(max_norm, axis_name='data')" in str(record[0].message)
+
+
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+@pytest.mark.parametrize("tx", [
+    lambda opt: optax.chain(onebit_optax.clip_by_global_norm(1.0, axis_name="data"), opt),
+    lambda opt: optax.chain(opt, optax.clip_by_global_norm(1.0)),  # replicated updates: fine
+], ids=["onebit_clip_before", "optax_clip_after"])
+def test_clipping_that_agrees_across_devices_does_not_warn(name, tx):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)
+    _train(tx(_OPTIMIZERS[name]()))
+
+
+def test_without_an_axis_optax_clipping_is_plain_clipping():
+  tx = optax.chain(optax.clip_by_global_norm(1.0), _onebit())
+  params = {"w": jnp.ones(3)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", UserWarning)
+    updates, _ = tx.update({"w": jnp.array([30.0, 40.0, 0.0])}, tx.init(params), params)
+  assert bool(jnp.all(jnp.isfinite(updates["w"])))
