@@ -342,7 +342,10 @@ def compressed_mean(
   the segment of element :math:`j`, and :math:`\mathrm{sign}(0) = +1`. Device
   :math:`r` is the "server" of chunk :math:`r`. One scale per segment keeps a
   leaf with small values (a LayerNorm bias, a rare embedding) from being sent at
-  the size of the whole model's RMS.
+  the size of the whole model's RMS. (The optimizers' flat exchange differs on
+  the worker side: each device scales a whole leaf by one RMS, and a segment
+  carries its leaf's scale; the servers scale each segment, as here. See
+  the wire format in the docs.)
 
   On the wire (per device): phase 1 is one ``all_to_all`` of uint8 rows, each the
   packed signs of one chunk (``d / (8 n)`` bytes) followed by the 4-byte float32

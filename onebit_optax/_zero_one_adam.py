@@ -311,8 +311,9 @@ def scale_by_zero_one_adam(
 
   **Compressed step** (every other step): each device's *momentum* goes
   through the error-compensated 1-bit mean (one uint8 ``all_to_all`` and one
-  uint8 ``all_gather``, one RMS scale per leaf piece, leaves smaller than
-  ``exact_below`` exact), as in 1-bit Adam's compression phase, and only
+  uint8 ``all_gather``; each device scales each leaf by its RMS, each server
+  each piece of a leaf in its chunk; leaves smaller than ``exact_below``
+  exact), as in 1-bit Adam's compression phase, and only
   :math:`m` moves:
 
   .. math::
@@ -337,7 +338,8 @@ def scale_by_zero_one_adam(
   **After** :math:`T_v` (:math:`v` frozen), without local steps, every step is
   a **sync** of one step (DeepSpeed's local steps at interval 1, below, kept
   in direction units): each device's step
-  :math:`-(d_i + \lambda\theta)(\sqrt{\hat v}+\epsilon)`, with
+  :math:`-(d_i + \lambda\theta)\,\delta` (:math:`\delta = \sqrt{\max(\hat v,
+  f\,\overline{\hat v}_\ell)}+\epsilon`, the floored denominator), with
   :math:`d_i` from its momentum :math:`\beta_1 m + (1-\beta_1) g_i`, goes
   through the 1-bit mean, and :math:`m` restarts from the mean. This
   compresses the momentum, as 1-bit Adam does after its freeze: on the digits
@@ -357,10 +359,15 @@ def scale_by_zero_one_adam(
     m_i \leftarrow \beta_1 m_i + (1-\beta_1) g_i, \quad
     a_i \leftarrow a_i - \eta_t (d_{i,t} + \lambda\theta_i),
 
-  and every :math:`J` steps a **sync**: :math:`\bar a` = the 1-bit mean of
-  :math:`a_i(\sqrt{\hat v}+\epsilon)` (with error feedback),
-  :math:`\theta \leftarrow \theta + \bar a/(\sqrt{\hat v}+\epsilon)`,
-  :math:`m \leftarrow (1-\beta_1^t)\big(-\bar a/\sum\eta - \lambda\theta(\sqrt{\hat v}+\epsilon)\big)`,
+  and a **sync** when the steps since the last sync reach :math:`J` (counted
+  from the last sync; DeepSpeed tests :math:`t \bmod J = 0`): :math:`\bar a` =
+  the 1-bit mean of :math:`a_i\delta` (with error feedback,
+  :math:`\delta = \sqrt{\max(\hat v, f\,\overline{\hat v}_\ell)}+\epsilon` the
+  floored denominator), :math:`\theta \leftarrow \theta +
+  \mathrm{clip}(\bar a/\delta, \pm B\textstyle\sum\eta)` (the weight decay's
+  share :math:`-\lambda\theta\sum\eta` kept out of the clip; a coordinate
+  whose :math:`v` is 0 does not move, weight decay included),
+  :math:`m \leftarrow (1-\beta_1^t)\big(-\bar a/\sum\eta - \lambda\theta\delta\big)`,
   :math:`a_i \leftarrow 0` (DeepSpeed's sync, except that the weight decay's
   share of :math:`\bar a` is kept out of the momentum: DeepSpeed's momentum
   re-applies it on every later step, which cost 37% held-out loss on the
@@ -370,7 +377,9 @@ def scale_by_zero_one_adam(
   move on a sync, identical bits on every device); differentiate at
   :func:`zero_one_local_params`, this device's :math:`\theta_i`. The learning
   rate is part of the sync, so with local steps it is an argument here and the
-  output is the parameter update itself.
+  output is the parameter update itself. A local step at step :math:`t`
+  (from 1) uses ``learning_rate(t - 1)``, optax's ``schedule(count)``
+  convention, and :math:`d_{i,t}` is floored but not clipped.
 
   **Non-finite gradients** skip a variance, compressed or (without local
   steps) sync step on every device together (zero update, state kept but a
@@ -417,13 +426,17 @@ def scale_by_zero_one_adam(
     local_steps: None (no local steps), or :math:`H`, the largest interval
       between syncs after :math:`T_v`.
     local_step_scaler: local-phase steps per doubling of the sync interval.
-    learning_rate: with local steps only: a scalar or a schedule of the step count.
+    learning_rate: with local steps only: a scalar or a schedule of the step
+      count (step :math:`t` uses ``learning_rate(t - 1)``, as in optax).
     weight_decay: decoupled weight decay :math:`\lambda` (added to the direction,
       as :func:`optax.add_decayed_weights`; not on a skipped step); needs ``params``.
     mask: which leaves get weight decay, as in :func:`optax.adamw` (a tree of
       bools like the parameters, or a function of them; None: every leaf).
     variance_floor: :math:`f` (0 disables the floor).
-    max_update: :math:`B` on compressed and local steps (None: Adam's bound).
+    max_update: :math:`B`, the clip of a compressed step's direction (and of a
+      variance step's once a compressed step came before) and of a sync's
+      move, at :math:`\pm B\sum\eta`; local steps are not clipped (None:
+      Adam's bound).
     skip_nonfinite: skip non-finite steps on all devices together.
     exact_below: leaves with fewer elements travel as float32 in the same
       messages (None: 64; 0 compresses every leaf).
