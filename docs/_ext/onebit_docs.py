@@ -259,20 +259,87 @@ def result_page(name: str) -> str:
   if title is None and heading is not None and text.startswith("#"):
     title, text = heading, text.split("\n", 1)[1] if "\n" in text else ""
   title = title or heading or name.replace("_", " ")
-  body = _mark_tables(renumber_headings(text))
+  text = re.sub(rf"^!\[[^\]]*\]\({re.escape(name)}\.png\)[ \t]*$", "", text, flags=re.M)
+  nested = renumber_headings(text)
+  split = split_wide_tables(nested)
+  body = _mark_tables(split)
   lines = [f"# {title}", ""]
   if name in RESULT_INTROS:
     lines += [RESULT_INTROS[name], ""]
+  png = RESULTS / f"{name}.png"
+  if png.exists():  # first, with a caption (the file's own image line, if any, is dropped)
+    lines += [f":::{{figure}} {name}.png", f":alt: {title}", ":width: 100%",
+              f":target: {name}.png", "", figure_caption(name), ":::", ""]
   script = _script_of(name)
   committed = _last_commit(RESULTS / f"{name}.md")
   lines += [
       f"*Generated from `benchmarks/results/{name}.md`, written by "
       f"`benchmarks/{script}.py`{committed}. Below, as the benchmark wrote it: its command "
-      "and, for timed runs, the commit, machine and load.*", "", body, ""]
-  png = RESULTS / f"{name}.png"
-  if png.exists() and f"({name}.png)" not in text:
-    lines += [f"![{name}]({name}.png)", ""]
+      "and, for timed runs, the commit, machine and load"
+      + ("; tables wider than the page split in pieces, each repeating the first column"
+         if split != nested else "") + ".*", "", body, ""]
   return "\n".join(lines)
+
+
+# The caption of each benchmark's figure (shown first on its page, full width; a click opens it).
+FIGURE_CAPTIONS = {
+    "convergence": (
+        "One row per task. Left: validation loss over the run, mean over the evaluation seeds "
+        "(dashed: the failing references). Middle: final validation loss against the peak "
+        "learning rate on the selection seeds. Right: the L1 norm of Adam's bias-corrected "
+        "variance over the run, with the learning-rate warmup (dashed) and where the default "
+        "freeze rule fired (dotted)."),
+    "comm_throughput": (
+        "Left: steps per second of each optimizer and phase. Right: the bytes each rank sent "
+        "per step, read on the network interfaces."),
+    "data_shift": (
+        "Validation loss of the char GPT over the run, one line per seed; the data changes "
+        "from prose to Python source at the dotted line."),
+    "scaling_model": (
+        "The model's throughput against Adam's after the freeze, by number of ranks, one panel "
+        "per model size (a model with an assumed GPU compute, not a measurement)."),
+}
+
+
+def figure_caption(name: str) -> str:
+  """The caption of NAME.png: its own, or that of the benchmark it is a variant of."""
+  for key in sorted(FIGURE_CAPTIONS, key=len, reverse=True):
+    if name == key or name.startswith(key + "_"):
+      return FIGURE_CAPTIONS[key]
+  return f"The figure `benchmarks/{_script_of(name)}.py` drew from these results."
+
+
+MAX_COLUMNS = 9  # a wider results table is split into pieces that fit the page
+
+
+def split_wide_tables(text: str, max_columns: int = MAX_COLUMNS) -> str:
+  """Splits each markdown table wider than ``max_columns`` into pieces of at most that many
+  columns, each repeating the first column (what a row is about), one after the other."""
+  out, table = [], []
+
+  def flush():
+    cells = [[c.strip() for c in row.strip().strip("|").split("|")] for row in table]
+    width = len(cells[0]) if cells else 0
+    if width <= max_columns or any(len(c) != width for c in cells):
+      out.extend(table)
+    else:
+      for start in range(1, width, max_columns - 1):
+        columns = [0] + list(range(start, min(start + max_columns - 1, width)))
+        if start > 1:
+          out.append("")
+        out.extend("| " + " | ".join(row[i] for i in columns) + " |" for row in cells)
+    table.clear()
+
+  for line in text.splitlines():
+    if line.startswith("|"):
+      table.append(line)
+      continue
+    if table:
+      flush()
+    out.append(line)
+  if table:
+    flush()
+  return "\n".join(out)
 
 
 # The order of the Results toctree; other results pages follow alphabetically.
