@@ -173,7 +173,7 @@ class _Bench:
     """The jitted shard_map train step; ``grad_params(params, opt_state)``: where to differentiate.
 
     Default: ``local_params(params, axis)`` (this device's typed copy); 0/1 Adam
-    with local steps needs ``zero_one_local_params(params, opt_state, axis)``.
+    with local steps needs ``local_params(params, axis, opt_state)``.
     """
     import functools
 
@@ -293,7 +293,7 @@ def _time_onebit(bench, mesh, axis, time_warmup: bool) -> dict:
 ZERO_ONE_DEFAULTS = dict(var_freeze_step=40, var_update_scaler=4, local_steps=8,
                          local_step_scaler=4)
 ZERO_ONE_STEPS = 72  # steps of the timed run (step 1 compiles, untimed)
-PHASE_CODES = "vcls"  # zero_one_phase: variance, compressed, local, sync
+PHASE_CODES = "vcls"  # status(state).phase: variance, compressed, local, sync
 
 
 def zero_one_state(opt_state):
@@ -314,7 +314,7 @@ def phase_schedule(nsteps: int, **hyper) -> str:
   Runs the optimizer itself on a 2-element problem on one device
   (axis_name=None; the schedule depends only on the step counters, the
   gradients being finite), reading ``phase`` after every step as
-  ``zero_one_phase`` does. Used to know before a step whether it starts a new
+  ``status(state).phase`` does. Used to know before a step whether it starts a new
   phase (the counters are then read after the links went quiet), and by
   comm_throughput.py for the phase counts of a whole run.
   """
@@ -349,7 +349,7 @@ def _time_zero_one(bench, mesh, axis, hyper: dict, nsteps: int, settle_s: float)
   ``settle_s`` (untimed) so that the last bytes of the previous step have left
   the interface, and the counters are read. So a window of local steps shows
   what local steps send, not the tail of the sync before them. Each step's
-  phase as the state reports it (``zero_one_phase``) and the optimizer's own
+  phase as the state reports it (``status(state).phase``) and the optimizer's own
   ``wire_bytes`` are read after the step (untimed) and checked against the
   prediction.
   """
@@ -360,10 +360,10 @@ def _time_zero_one(bench, mesh, axis, hyper: dict, nsteps: int, settle_s: float)
   predicted = phase_schedule(nsteps, **hyper)
   tx = onebit_optax.zero_one_adam(1e-3, axis_name=axis, **hyper)
   params = bench.params(mesh)
-  opt_state = onebit_optax.init_zero_one_sharded(tx, params, mesh, axis_name=axis)
-  specs = onebit_optax.zero_one_partition_specs(opt_state, axis)
+  opt_state = onebit_optax.init_sharded(tx, params, mesh, axis_name=axis)
+  specs = onebit_optax.state_partition_specs(opt_state, axis)
   step = bench.make_step(mesh, axis, tx, specs, reduce_grads=False,
-                         grad_params=lambda p, s: onebit_optax.zero_one_local_params(p, s, axis))
+                         grad_params=lambda p, s: onebit_optax.local_params(p, axis, s))
   batch = bench.batch(mesh, axis)
   ifaces = {"": bench.args.iface, "lo_": "lo"}
 

@@ -16,7 +16,7 @@ the communication. The optimizers (``kind``):
 * ``zero_one``: ``onebit_optax.zero_one_adam`` with the options of ``run``'s
   ``zero_one`` (``var_freeze_step``, ``var_update_scaler``, ``local_steps``,
   ``local_step_scaler``). With local steps the gradient is taken at
-  ``zero_one_local_params`` (this device's copy) and the validation loss at
+  ``local_params`` (with the state) (this device's copy) and the validation loss at
   ``params``, the replicated point of the last sync.
 
 The learning rate and the fixed freeze step are *traced* inputs: every
@@ -149,8 +149,8 @@ class Runner:
       opt_state = jax.device_put(tx.init(params), NamedSharding(self.mesh, P()))
       opt_specs = jax.tree.map(lambda _: P(), opt_state)
     elif kind == "zero_one":
-      opt_state = onebit_optax.init_zero_one_sharded(tx, params, self.mesh, AXIS)
-      opt_specs = onebit_optax.zero_one_partition_specs(opt_state, AXIS)
+      opt_state = onebit_optax.init_sharded(tx, params, self.mesh, AXIS)
+      opt_specs = onebit_optax.state_partition_specs(opt_state, AXIS)
     else:
       opt_state = onebit_optax.init_sharded(tx, params, self.mesh, AXIS)
       opt_specs = onebit_optax.state_partition_specs(opt_state, AXIS)
@@ -197,7 +197,7 @@ class Runner:
 
     # Local gradients: local_params keeps jax.grad from all-reducing them (0/1
     # Adam: this device's copy, the last sync's point plus its local steps).
-    at = (onebit_optax.zero_one_local_params(params, carry["opt"], AXIS) if kind == "zero_one"
+    at = (onebit_optax.local_params(params, AXIS, carry["opt"]) if kind == "zero_one"
           else onebit_optax.local_params(params, AXIS))
     loss, grads = jax.value_and_grad(loss_fn)(at)
     if task.clip:

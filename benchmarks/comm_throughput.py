@@ -29,7 +29,7 @@ minutes. What it does:
    8, ``--zo-local-scaler`` 4; ``--zo-steps`` 72): variance steps (float32
    all-reduce), compressed steps (1-bit gradient), then after the freeze local
    steps (no collective) and syncs (1-bit mean of the accumulated progress).
-   Every step is timed; its phase is read from the state (as zero_one_phase
+   Every step is timed; its phase is read from the state (as status(state).phase
    does) and checked against the schedule; the interface counters are read at
    each change of phase, after a short untimed pause (``--settle``) so that a
    window's bytes are its own. Per phase: s/step, ratio to Adam, bytes against

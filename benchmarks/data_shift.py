@@ -190,8 +190,8 @@ class Trainer:
       opt = onebit_optax.init_sharded(tx, params, self.mesh, AXIS)
       specs = onebit_optax.state_partition_specs(opt, AXIS)
     else:
-      opt = onebit_optax.init_zero_one_sharded(tx, params, self.mesh)
-      specs = onebit_optax.zero_one_partition_specs(opt, AXIS)
+      opt = onebit_optax.init_sharded(tx, params, self.mesh)
+      specs = onebit_optax.state_partition_specs(opt, AXIS)
     return tx, opt, specs
 
   # ---- compiled chunk
@@ -206,7 +206,7 @@ class Trainer:
     def step(params, opt, batch):
       x, y = batch
       if fam == "zero_one":
-        local = onebit_optax.zero_one_local_params(params, opt, AXIS)
+        local = onebit_optax.local_params(params, AXIS, opt)
       else:
         local = onebit_optax.local_params(params, AXIS)
       loss, grads = jax.value_and_grad(self.loss)(local, x, y)

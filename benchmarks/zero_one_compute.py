@@ -94,7 +94,7 @@ def _copy(tree):
 
 
 def _phase(state) -> str:
-  return onebit_optax.zero_one_phase(state)
+  return onebit_optax.status(state).phase
 
 
 def _at_phase(step, params, state, grads, want: str, limit: int = 200):

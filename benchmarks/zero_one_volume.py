@@ -102,7 +102,7 @@ def _trainer(kind, options, task, mesh):
     specs = P()
   else:
     init = lambda params: (onebit_optax.init_sharded(tx, params, mesh) if kind == "onebit"
-                           else onebit_optax.init_zero_one_sharded(tx, params, mesh))
+                           else onebit_optax.init_sharded(tx, params, mesh))
 
   def step_fn(params, opt_state, batch):
     if kind == "adamw":
@@ -112,7 +112,7 @@ def _trainer(kind, options, task, mesh):
     elif kind == "onebit":
       grads = jax.grad(loss_fn)(onebit_optax.local_params(params, AXIS), batch)
     else:
-      grads = jax.grad(loss_fn)(onebit_optax.zero_one_local_params(params, opt_state, AXIS),
+      grads = jax.grad(loss_fn)(onebit_optax.local_params(params, AXIS, opt_state),
                                 batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     if kind != "adamw":
@@ -122,7 +122,7 @@ def _trainer(kind, options, task, mesh):
   def build(opt_state):
     state_specs = (specs if kind == "adamw" else
                    onebit_optax.state_partition_specs(opt_state, AXIS) if kind == "onebit"
-                   else onebit_optax.zero_one_partition_specs(opt_state, AXIS))
+                   else onebit_optax.state_partition_specs(opt_state, AXIS))
     return jax.jit(jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), state_specs, P(AXIS)),
                                  out_specs=(P(), state_specs, P())), donate_argnums=(0, 1))
   return init, build

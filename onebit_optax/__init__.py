@@ -1,4 +1,4 @@
-"""onebit-optax: 1-bit Adam (Tang et al., 2021) as a native Optax gradient transformation."""
+"""onebit-optax: 1-bit Adam (Tang et al., 2021) and 0/1 Adam (Lu et al., 2023) as Optax transformations."""
 
 from onebit_optax._accessors import moments
 from onebit_optax._accumulate import accumulate_gradients
@@ -38,17 +38,11 @@ from onebit_optax._sharding import model_replicated
 from onebit_optax._sharding import state_partition_specs
 from onebit_optax._status import assert_replicas_identical
 from onebit_optax._status import replicas_identical
+from onebit_optax._status import Status
 from onebit_optax._status import status
-from onebit_optax._zero_one_status import ZeroOneStatus
-from onebit_optax._zero_one_status import zero_one_status
 from onebit_optax._zero_one_adam import scale_by_zero_one_adam
 from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 from onebit_optax._zero_one_adam import zero_one_adam
-from onebit_optax._zero_one_sharding import init_zero_one_sharded
-from onebit_optax._zero_one_sharding import zero_one_local_params
-from onebit_optax._zero_one_sharding import zero_one_move_state
-from onebit_optax._zero_one_sharding import zero_one_partition_specs
-from onebit_optax._zero_one_sharding import zero_one_phase
 
 __version__ = "0.1.0"
 
@@ -70,7 +64,6 @@ __all__ = (
     "FixedStepFreeze",
     "freeze_step",
     "init_sharded",
-    "init_zero_one_sharded",
     "is_frozen",
     "local_params",
     "mean_updates",
@@ -90,16 +83,11 @@ __all__ = (
     "skipped_steps",
     "sign_decompress",
     "state_partition_specs",
+    "Status",
     "status",
     "variance_ratio",
     "variance_ratio_freeze",
     "VarianceRatioFreeze",
     "wire_bytes",
     "zero_one_adam",
-    "zero_one_local_params",
-    "zero_one_move_state",
-    "zero_one_partition_specs",
-    "zero_one_phase",
-    "zero_one_status",
-    "ZeroOneStatus",
 )

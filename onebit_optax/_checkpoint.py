@@ -1,4 +1,4 @@
-"""Orbax checkpoints that resume 1-bit Adam exactly, per-device buffers included."""
+"""Orbax checkpoints that resume 1-bit Adam and 0/1 Adam exactly, per-device buffers included."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from onebit_optax import _ckpt_move
 from onebit_optax import _config
 from onebit_optax import _layout as _layout_mod
 from onebit_optax import _sharding
+from onebit_optax import _zero_one_sharding
 from onebit_optax import _wire
 
 __all__ = ["save_checkpoint", "restore_checkpoint", "abstract_state"]
@@ -67,34 +68,33 @@ def _open(directory_or_manager, *, create: bool):
   return ocp.CheckpointManager(path, options=options, item_handlers=handlers), True
 
 
+_KINDS = (ScaleByOnebitAdamState, ScaleByZeroOneAdamState)
+
+
 def _is_state(x) -> bool:
-  return isinstance(x, ScaleByOnebitAdamState)
+  return isinstance(x, _KINDS)
 
 
-def _zero_one_inside(tree) -> bool:
-  kind = ScaleByZeroOneAdamState
-  return any(isinstance(x, kind)
-             for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind)))
+def _is_zero_one(state) -> bool:
+  return isinstance(state, ScaleByZeroOneAdamState)
+
+
+def _sized(state) -> tuple:
+  """The fields whose shapes depend on the device count and the mesh layout."""
+  return _zero_one_sharding.PER_DEVICE if _is_zero_one(state) else _SIZED
 
 
 def _find(opt_state) -> tuple[tuple, ScaleByOnebitAdamState]:
-  """Key path and value of the single 1-bit Adam state inside ``opt_state``."""
+  """Key path and value of the single 1-bit Adam (or 0/1 Adam) state inside ``opt_state``."""
   found = [(path, node) for path, node in
            jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[0]
            if _is_state(node)]
-  if not found and _zero_one_inside(opt_state):
-    raise ValueError(
-        "save_checkpoint / restore_checkpoint / abstract_state take a 1-bit Adam state; this is "
-        "a 0/1 Adam state. Checkpoint it with Orbax directly: save {'params': params, "
-        "'opt_state': opt_state}, restore onto the target {'params': ..., 'opt_state': "
-        "abstract_state(tx, params, mesh)} (bit for bit), and move it onto "
-        "another device count with zero_one_move_state (see docs/guides/checkpointing.md, "
-        "'0/1 Adam').")
   if len(found) != 1:
     raise ValueError(
-        f"Expected exactly one 1-bit Adam state inside the optimizer state, found "
-        f"{len(found)}. Pass the state of onebit_adam / scale_by_onebit_adam (possibly "
-        "inside optax.chain, inject_hyperparams, masked, ...).")
+        f"Expected exactly one 1-bit Adam or 0/1 Adam state inside the optimizer state, "
+        f"found {len(found)}. Pass the state of onebit_adam / zero_one_adam (or their "
+        "scale_by_ transformations), possibly inside optax.chain, inject_hyperparams, "
+        "masked, ...")
   return found[0]
 
 
@@ -105,7 +105,7 @@ def _with_state(opt_state, fn):
 
 def _strip(opt_state):
   """The state without the fields whose shapes depend on the mesh (compared separately)."""
-  return _with_state(opt_state, lambda s: s._replace(**{name: None for name in _SIZED}))
+  return _with_state(opt_state, lambda s: s._replace(**{name: None for name in _sized(s)}))
 
 
 def _signature(tree) -> list:
@@ -171,6 +171,8 @@ def _layout(opt_state) -> dict:
   local leaves.
   """
   _, state = _find(opt_state)
+  if _is_zero_one(state):
+    return _zero_one_layout(state)
   message, scale = np.shape(state.momentum_message), np.shape(state.worker_scale)
   local = state.local_momentum
   if np.ndim(state.count) != 0:
@@ -226,6 +228,30 @@ def _layout(opt_state) -> dict:
           "server_error": _shape_of(state.server_error),
           "momentum_message": _shape_of(state.momentum_message),
       },
+  }
+
+
+def _zero_one_layout(state) -> dict:
+  """The mesh-dependent part of a 0/1 Adam state: its per-device buffers' global shapes."""
+  if np.ndim(state.count) != 0:
+    raise ValueError(
+        "The 0/1 Adam state does not have the layout of onebit_optax.init_sharded: count "
+        f"has shape {np.shape(state.count)} (a pmap state); checkpoint the state of the "
+        "shard_map training step (out_specs=onebit_optax.state_partition_specs(...)).")
+  n = int(np.shape(state.worker_scale)[0])
+  return {
+      "optimizer": "zero_one_adam",
+      "num_devices": n,
+      "device_axes": _device_axes(state.worker_scale, n),
+      "model_shards": 1,
+      "mesh": _mesh_of(state.worker_scale),
+      "param_specs": None,
+      "compressed": int(np.shape(state.worker_scale)[1]),
+      "error_dtype": None,
+      # Per field: the global shape of each of its leaves (None: the field is absent).
+      "buffers": {name: None if getattr(state, name) is None
+                  else [_shape_of(x) for x in jax.tree.leaves(getattr(state, name))]
+                  for name in _zero_one_sharding.PER_DEVICE},
   }
 
 
@@ -616,7 +642,21 @@ def _saved_item(target, info: dict, mesh):
   buffers = info["buffers"]
   error_dtype = jnp.dtype(info["error_dtype"] or "float32")
 
+  def zero_one_as_saved(state):
+    def field(name):
+      saved, now = buffers[name], getattr(state, name)
+      if saved is None:
+        return None
+      if now is None:  # the server error, absent on one device: read as saved, dropped
+        return _saved_target(saved[0], jnp.float32, state.worker_scale, mesh)
+      leaves = [_saved_target(shape, x.dtype, x, mesh)
+                for shape, x in zip(saved, jax.tree.leaves(now))]
+      return jax.tree.unflatten(jax.tree.structure(now), leaves)
+    return state._replace(**{name: field(name) for name in _zero_one_sharding.PER_DEVICE})
+
   def as_saved(state):
+    if _is_zero_one(state):
+      return zero_one_as_saved(state)
     one = lambda name, dtype: (None if buffers[name] is None else _saved_target(
         buffers[name], dtype, getattr(state, name) if getattr(state, name) is not None
         else state.worker_scale, mesh))
@@ -875,6 +915,10 @@ def restore_checkpoint(directory_or_manager, tx, params, mesh: Optional[Mesh] = 
     return new_params, opt_state, int(step)
   _, state = _find(opt_state)
   _, abstract = _find(target)
+  if _is_zero_one(state):
+    fresh = jax.tree.map(_zeros, abstract)
+    state = _zero_one_sharding.moved(state, fresh, mesh, axis_name, where)
+    return new_params, _with_state(opt_state, lambda _: state), int(step)
   state, dropped = _moved(state, abstract, saved_layout, new_layout, tx)
   opt_state = _with_state(opt_state, lambda _: state)
   if dropped:

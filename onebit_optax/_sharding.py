@@ -19,7 +19,7 @@ from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 __all__ = ["local_params", "model_replicated", "state_partition_specs", "init_sharded"]
 
 
-def local_params(params, axis_name: Hashable):
+def local_params(params, axis_name: Hashable, opt_state=None):
   """Marks replicated params as per-device so that ``jax.grad`` gives *local* gradients.
 
   Inside ``jax.shard_map`` (with the default ``check_vma=True``), the gradient
@@ -30,12 +30,22 @@ def local_params(params, axis_name: Hashable):
   gradient local; the optimizer then does the (compressed) averaging. Under
   ``pmap`` or ``check_vma=False`` gradients are local anyway and this is a no-op.
 
+  With 0/1 Adam's local steps (``zero_one_adam(..., local_steps=H)``) pass the
+  optimizer state too: between two syncs each device has moved its own copy
+  of the parameters, :math:`\theta + a_i`, where ``params`` is the replicated
+  point of the last sync and the state's ``accumulator`` holds this device's
+  progress :math:`a_i`; the gradient must be taken there. For every other
+  state ``opt_state`` changes nothing (it may always be passed).
+
   Args:
     params: a pytree of arrays, replicated over ``axis_name``.
     axis_name: the data-parallel mesh axis.
+    opt_state: the optimizer state (required with 0/1 Adam's local steps,
+      optional otherwise).
 
   Returns:
-    The same values, typed as varying over ``axis_name``.
+    The same values (plus this device's progress with local steps), typed as
+    varying over ``axis_name``.
 
   Example:
     >>> import functools, jax, jax.numpy as jnp
@@ -52,8 +62,11 @@ def local_params(params, axis_name: Hashable):
     `jax.shard_map <https://docs.jax.dev/en/latest/notebooks/shard_map.html>`_:
     "varying manual axes" (``check_vma``) and ``jax.lax.pcast``.
   """
+  if opt_state is not None:
+    params = _zero_one_sharding.at_local_point(params, opt_state)
+
   def cast(x):
-    if axis_name in _collective._varying_axes(x):
+    if axis_name is None or axis_name in _collective._varying_axes(x):
       return x
     try:
       return jax.lax.pcast(x, axis_name, to="varying")
@@ -216,7 +229,7 @@ def state_partition_specs(opt_state, axis_name: Hashable,
       if model_axis is not None:
         raise ValueError("state_partition_specs: 0/1 Adam has no model_axis (data-parallel "
                          "meshes only); pass model_axis=None.")
-      return _zero_one_sharding.zero_one_partition_specs(node, axis_name)
+      return _zero_one_sharding.partition_specs(node, axis_name)
     return P()
   return jax.tree.map(
       spec, opt_state, is_leaf=lambda x: isinstance(

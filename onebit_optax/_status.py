@@ -12,6 +12,7 @@ import optax
 
 from onebit_optax import _collective
 from onebit_optax import _freeze
+from onebit_optax import _zero_one_sharding
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 
@@ -24,43 +25,71 @@ _INJECTED = tuple(
 
 
 class Status(NamedTuple):
-  """What :func:`status` reports: plain Python values, ready for a logger.
+  """What :func:`status` reports for either optimizer: plain Python values, ready for a logger.
 
-  ``str(status)`` is a one-paragraph summary; ``status._asdict()`` gives the fields.
+  ``str(status)`` is a one-paragraph summary; ``status._asdict()`` gives the
+  fields. The first fields are common to both optimizers; the fields of the
+  other optimizer's schedule are None.
+
+  Example:
+    >>> import jax.numpy as jnp, onebit_optax
+    >>> tx = onebit_optax.zero_one_adam(1e-3, axis_name=None, var_freeze_step=10)
+    >>> print(onebit_optax.status(tx.init({'w': jnp.ones(2)}), var_freeze_step=10))
+    step 0: last step none; 0 variance steps so far, one every 1 steps now, next variance step 1; 0 non-finite steps skipped; no communication (one device)
   """
 
-  phase: str  # 'warmup' or 'compression': the phase the next step runs.
+  phase: str  # 1-bit Adam: 'warmup' or 'compression', the phase the next step runs. 0/1 Adam: the last step's kind, 'variance', 'compressed', 'local', 'sync' ('none' before the first).
   step: int  # optimizer steps taken (skipped steps are not counted).
-  freeze_step: Optional[int]  # last warmup step; None while warming up.
-  next_check: Optional[int]  # first step at which the policy may freeze; None once frozen.
-  variance_ratio: float  # last measured ratio of the bias-corrected variance norms (NaN before).
+  freeze_step: Optional[int]  # last step before v froze (0/1 Adam: var_freeze_step, when given and passed); None before.
+  next_check: Optional[int]  # 1-bit Adam: first step at which the policy may freeze; None once frozen (and for 0/1 Adam).
+  variance_ratio: float  # 1-bit Adam: last ratio of the bias-corrected variance norms (NaN before; NaN for 0/1 Adam).
   skipped_steps: int  # steps skipped for non-finite gradients, in total.
   bytes_sent: float  # bytes this device has sent so far.
   adam_bytes: float  # bytes a float32 all-reduce of the gradients would have sent.
-  bytes_exact: bool  # False when bytes_sent is an estimate (skipped steps of a run that froze).
+  bytes_exact: bool  # False when bytes_sent is an estimate (skipped steps are charged at the 1-bit rate).
   replicas_agree: bool  # the scalar fields are equal on every replica the state holds.
-  policy: str  # the freeze policy the summary was computed for.
-  reason: str  # why the run is not compressing yet ('' once frozen).
+  policy: str  # 1-bit Adam: the freeze policy the summary was computed for; 0/1 Adam: the freeze step.
+  reason: str  # 1-bit Adam: why the run is not compressing yet ('' once frozen, and for 0/1 Adam).
   notes: tuple  # warnings and caveats, as sentences.
+  optimizer: str = "1-bit Adam"  # '1-bit Adam' or '0/1 Adam'.
+  frozen: Optional[bool] = None  # v frozen; 0/1 Adam: None when not known (var_freeze_step not given).
+  variance_steps: Optional[int] = None  # 0/1 Adam: variance steps taken (float32 all-reduce, v updated).
+  var_interval: Optional[int] = None  # 0/1 Adam: steps between variance steps now (1, 2, 4, ...).
+  next_variance_step: Optional[int] = None  # 0/1 Adam: the next variance step; None once v is frozen.
+  local_interval: Optional[int] = None  # 0/1 Adam: steps between syncs after the freeze (1 without local steps).
+  steps_since_sync: Optional[int] = None  # 0/1 Adam: local steps taken since the last sync.
+  last_step_bytes: float = 0.0  # bytes this device sent in the last step.
 
   @property
   def steps_to_next_check(self) -> Optional[int]:
     return None if self.next_check is None else self.next_check - self.step
 
-  def __str__(self) -> str:
+  def _head(self) -> str:
+    if self.optimizer == "0/1 Adam":
+      if self.frozen:
+        return (f"step {self.step}: variance frozen after {self.variance_steps} variance "
+                f"steps; last step {self.phase}, a sync every {self.local_interval} steps "
+                f"({self.steps_since_sync} local steps since the last)")
+      nxt = ("" if self.next_variance_step is None
+             else f", next variance step {self.next_variance_step}")
+      return (f"step {self.step}: last step {self.phase}; {self.variance_steps} variance "
+              f"steps so far, one every {self.var_interval} steps now{nxt}")
     if self.phase == "compression":
-      head = f"step {self.step}: compression (froze after step {self.freeze_step})"
-    else:
-      head = f"step {self.step}: warmup (never froze in {self.step} steps): {self.reason}"
+      return f"step {self.step}: compression (froze after step {self.freeze_step})"
+    return f"step {self.step}: warmup (never froze in {self.step} steps): {self.reason}"
+
+  def __str__(self) -> str:
     if self.adam_bytes > 0:
       wire = (f"bytes/device so far {_fmt_bytes(self.bytes_sent)} vs "
               f"{_fmt_bytes(self.adam_bytes)} for Adam "
-              f"(Adam / 1-bit Adam = {self.adam_bytes / max(self.bytes_sent, 1.0):.2f}x)"
+              f"(Adam / {self.optimizer} = {self.adam_bytes / max(self.bytes_sent, 1.0):.2f}x)"
               + ("" if self.bytes_exact else " (estimate)"))
     else:
       wire = "no communication (one device)"
-    parts = [head, f"variance ratio {self.variance_ratio:.3f}",
-             f"{self.skipped_steps} non-finite steps skipped", wire]
+    parts = [self._head()]
+    if self.optimizer == "1-bit Adam":
+      parts.append(f"variance ratio {self.variance_ratio:.3f}")
+    parts += [f"{self.skipped_steps} non-finite steps skipped", wire]
     return "; ".join(parts) + "".join(f"\n  note: {n}" for n in self.notes)
 
 
@@ -319,7 +348,7 @@ _FIELDS = ("count", "frozen", "freeze_step", "variance_ratio", "skipped_steps", 
 
 def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params: Any = None,
            previous: Optional[Status] = None, var_freeze_step: Optional[int] = None):
-  r"""A one-call summary of a 1-bit Adam state for logging: phase, schedule, bytes, and why not.
+  r"""A one-call summary of a 1-bit Adam or 0/1 Adam state for logging: phase, schedule, bytes, why not.
 
   Reads the state on the host (call it outside ``jit``, every few hundred steps
   or at the end of a run). Answers the question a log of losses does not: is
@@ -350,29 +379,45 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
     previous: the status of an earlier call: the notes then say how many of the
       steps since were skipped (a run that diverged skips every step).
     var_freeze_step: for a 0/1 Adam state only, the ``var_freeze_step`` of
-      :func:`zero_one_adam` (see :func:`zero_one_status`).
+      :func:`zero_one_adam` (the state does not record it): without it,
+      whether :math:`v` is frozen is known only once a local or sync step
+      has run.
 
   Returns:
-    A :class:`Status` (``print`` it, or log ``status._asdict()``); for a 0/1
-    Adam state, the :class:`ZeroOneStatus` of :func:`zero_one_status`.
+    A :class:`Status` (``print`` it, or log ``status._asdict()``).
+
+  For a 0/1 Adam state (:func:`zero_one_adam`) ``phase`` is the kind of the
+  last step: a *variance* step averages the gradient in float32 and updates
+  :math:`m` and :math:`v`; it falls on the counts divisible by the interval,
+  which starts at 1 and doubles every ``var_update_scaler`` variance steps.
+  Every other step before ``var_freeze_step`` is *compressed* (1-bit mean of
+  the momenta). After it :math:`v` is frozen: *local* steps move no bytes and
+  a *sync* step averages the accumulated update in 1 bit (every step without
+  local steps). The bytes sent so far follow from the counts of variance and
+  1-bit steps, which the state keeps.
 
   Example:
-    >>> import jax.numpy as jnp, onebit_optax
+    >>> import jax, jax.numpy as jnp, onebit_optax
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
     >>> state = tx.init({'w': jnp.ones(2)})
     >>> s = onebit_optax.status(state, b2=0.999)
     >>> s.phase, s.next_check
     ('warmup', 2000)
+    >>> tx = onebit_optax.zero_one_adam(1e-3, axis_name=None, var_freeze_step=10)
+    >>> state = tx.init({'w': jnp.ones(2)})
+    >>> for _ in range(3):
+    ...   _, state = jax.jit(tx.update)({'w': jnp.ones(2)}, state, {'w': jnp.ones(2)})
+    >>> s = onebit_optax.status(state, var_freeze_step=10)
+    >>> s.phase, s.step, s.variance_steps, s.next_variance_step
+    ('variance', 3, 3, 4)
   """
   found = _find(opt_state, ScaleByOnebitAdamState)
   if not found and _find(opt_state, ScaleByZeroOneAdamState):
-    if freeze is not None or b2 is not None or previous is not None:
+    if freeze is not None or b2 is not None:
       raise ValueError(
-          "status: this is a 0/1 Adam state: freeze=, b2= and previous= are 1-bit Adam's; "
-          "pass var_freeze_step= (and params=) instead")
-    from onebit_optax import _zero_one_status  # pylint: disable=g-import-not-at-top
-    return _zero_one_status.zero_one_status(opt_state, var_freeze_step=var_freeze_step,
-                                            params=params)
+          "status: this is a 0/1 Adam state: freeze= and b2= are 1-bit Adam's; pass "
+          "var_freeze_step= (and params=, previous=) instead")
+    return _zero_one_status(opt_state, var_freeze_step, params, previous)
   if var_freeze_step is not None:
     raise ValueError("status: var_freeze_step= is for a 0/1 Adam state; this state holds "
                      "1-bit Adam (pass freeze= and b2=)")
@@ -427,7 +472,86 @@ def status(opt_state, freeze: Any = None, *, b2: Optional[float] = None, params:
       adam_bytes=float(adam), bytes_exact=exact, replicas_agree=agree,
       policy=_describe(policy, interval, b2),
       reason="" if frozen else _warmup_reason(policy, interval, step, ratio, next_check),
-      notes=tuple(notes))
+      notes=tuple(notes), frozen=frozen, last_step_bytes=float(fields["wire_bytes"]))
+
+
+# ------------------------------------------------------------------ 0/1 Adam's summary
+
+
+_ZERO_ONE_FIELDS = ("count", "variance_updates", "var_interval", "local_interval", "since_sync",
+                    "phase", "wire_bytes", "onebit_steps", "skipped_steps")
+
+
+def _next_variance_step(step: int, interval: int, var_freeze_step: Optional[int],
+                        frozen: Optional[bool]) -> Optional[int]:
+  """The first count > step with count % interval == 0, if it is before the freeze."""
+  if frozen:
+    return None
+  nxt = (step // interval + 1) * interval
+  if var_freeze_step is not None and nxt > var_freeze_step:
+    return None
+  return nxt
+
+
+def _zero_one_bytes(state, f: dict, stacked: bool):
+  """``(sent, adam, exact)`` of a 0/1 Adam state, from its step counts and its layout."""
+  from onebit_optax import _layout  # pylint: disable=g-import-not-at-top
+  n = int(np.shape(_unwrap(state.worker_scale))[0])
+  if n == 1:
+    return 0.0, 0.0, True
+  shapes = [_local_shape(v, stacked) for v in _leaves(state.nu)]
+  params = int(sum(math.prod(x) for x in shapes))
+  compressed = int(_local_shape(state.worker_scale, stacked)[-1])
+  sizes = sorted((math.prod(x) for x in shapes), reverse=True)
+  threshold = sizes[compressed - 1] if compressed else sizes[0] + 1
+  layout = _layout.wire_layout_for([np.zeros(x, np.uint8) for x in shapes], n, max(threshold, 1))
+  allreduce = _collective.allreduce_wire_bytes(params, n)
+  onebit = 2.0 * (n - 1) * layout.row_bytes
+  skipped = int(f["skipped_steps"])
+  sent = int(f["variance_updates"]) * allreduce + (int(f["onebit_steps"]) + skipped) * onebit
+  adam = (int(f["count"]) + skipped) * allreduce
+  return float(sent), float(adam), skipped == 0
+
+
+def _zero_one_status(opt_state, var_freeze_step: Optional[int], params, previous) -> Status:
+  """:func:`status` of a 0/1 Adam state (the step kinds: see :func:`scale_by_zero_one_adam`)."""
+  found = _find(opt_state, ScaleByZeroOneAdamState)
+  if len(found) != 1:
+    raise ValueError(
+        f"status: expected exactly one 0/1 Adam state inside the optimizer state, found "
+        f"{len(found)}. Pass the state of zero_one_adam / scale_by_zero_one_adam.")
+  state = found[0]
+  stacked = np.ndim(_unwrap(state.count)) == 1  # pmap: every field has the device axis.
+  per_replica = {name: _replica_values(getattr(state, name), stacked)
+                 for name in _ZERO_ONE_FIELDS}
+  agree = all(_agree(values) for values in per_replica.values())
+  f = {name: values[0].item() for name, values in per_replica.items()}
+  step, skipped = int(f["count"]), int(f["skipped_steps"])
+  phase = _zero_one_sharding.phase_name(f["phase"])
+  frozen = (step > var_freeze_step if var_freeze_step is not None
+            else (True if phase in ("local", "sync") else None))
+  notes = []
+  if frozen is None:
+    notes.append("var_freeze_step not given: pass the one zero_one_adam was built with to "
+                 "know when the variance freezes")
+  if not agree:
+    notes.append("the replicas' counters differ: the devices are not running one optimizer "
+                 "(build zero_one_adam with axis_name=<the mapped axis>)")
+  param_notes = _params_notes(params)
+  notes.extend(param_notes)
+  notes.extend(_skip_notes(step, skipped, previous, blame_gradients=not param_notes))
+  sent, adam, exact = _zero_one_bytes(state, f, stacked)
+  return Status(
+      phase=phase, step=step, freeze_step=var_freeze_step if frozen else None,
+      next_check=None, variance_ratio=float("nan"), skipped_steps=skipped,
+      bytes_sent=sent, adam_bytes=adam, bytes_exact=exact, replicas_agree=agree,
+      policy="" if var_freeze_step is None else f"var_freeze_step={var_freeze_step}",
+      reason="", notes=tuple(notes), optimizer="0/1 Adam", frozen=frozen,
+      variance_steps=int(f["variance_updates"]), var_interval=int(f["var_interval"]),
+      next_variance_step=_next_variance_step(step, int(f["var_interval"]), var_freeze_step,
+                                             frozen),
+      local_interval=int(f["local_interval"]), steps_since_sync=int(f["since_sync"]),
+      last_step_bytes=float(f["wire_bytes"]))
 
 
 def _skip_notes(step, skipped, previous, blame_gradients: bool = True) -> list:

@@ -27,7 +27,7 @@ class ScaleByZeroOneAdamState(NamedTuple):
 
   ``mu`` and ``nu`` are shaped like the parameters and replicated. Per device
   (leading axis 1 inside ``shard_map``/``pmap``; shard them with
-  ``P(axis_name)``, see :func:`zero_one_partition_specs`): ``local_sent``,
+  ``P(axis_name)``, see :func:`state_partition_specs`): ``local_sent``,
   ``worker_scale``, ``server_error`` and, with local steps, ``local_mu`` and
   ``accumulator``. Everything else is replicated. Memory per device:
   :math:`3D + D/n` floats without local steps, :math:`5D + D/n` with them
@@ -37,7 +37,7 @@ class ScaleByZeroOneAdamState(NamedTuple):
     >>> import jax.numpy as jnp, onebit_optax
     >>> tx = onebit_optax.scale_by_zero_one_adam(axis_name=None, var_freeze_step=100)
     >>> state = tx.init({'w': jnp.ones(300)})
-    >>> state.mu['w'].shape, state.local_sent[0].shape, onebit_optax.zero_one_phase(state)
+    >>> state.mu['w'].shape, state.local_sent[0].shape, onebit_optax.status(state).phase
     ((300,), (1, 300), 'none')
 
   References:
@@ -64,6 +64,7 @@ class ScaleByZeroOneAdamState(NamedTuple):
   since_sync: jax.Array  # shape=(), dtype=int32: local steps since the last sync.
   phase: jax.Array  # shape=(), dtype=int32: the last step: 0 variance, 1 compressed, 2 local, 3 sync; -1 none.
   wire_bytes: jax.Array  # shape=(), dtype=float32: bytes this device sent in the last step.
+  onebit_steps: jax.Array  # shape=(), dtype=int32: steps taken that sent the 1-bit exchange (compressed, sync).
   skipped_steps: jax.Array  # shape=(), dtype=int32: steps skipped (on all devices together) as non-finite.
 
 
@@ -121,7 +122,8 @@ def _init(params, plan: _steps.Plan, local: bool) -> ScaleByZeroOneAdamState:
                     if plan.axes.n_slow > 1 else None),
       local_mu=per_device(), accumulator=per_device(), lr_sum=scalar(0.0, F32),
       local_interval=scalar(1), local_counter=scalar(0), since_sync=scalar(0),
-      phase=scalar(_steps.NO_STEP), wire_bytes=scalar(0.0, F32), skipped_steps=scalar(0))
+      phase=scalar(_steps.NO_STEP), wire_bytes=scalar(0.0, F32), onebit_steps=scalar(0),
+      skipped_steps=scalar(0))
 
 
 def _schedule(hp: _steps.Hyper, state: ScaleByZeroOneAdamState) -> _steps.Schedule:
@@ -169,6 +171,8 @@ def _next_state(hp, plan, state, sched: _steps.Schedule, res: _steps.Result):
       phase=jnp.where(advance, jnp.where(sched.sync, _steps.SYNC, sched.kind),
                       state.phase).astype(jnp.int32),
       wire_bytes=res.wire_bytes,
+      onebit_steps=state.onebit_steps + (
+          advance & ((sched.kind == _steps.COMPRESSED) | sched.sync)).astype(jnp.int32),
       skipped_steps=state.skipped_steps + jnp.logical_not(res.finite).astype(jnp.int32))
   if hp.local_steps is None:
     return new
@@ -209,7 +213,7 @@ def _check_layout(updates, state, plan: _steps.Plan, caller: str) -> None:
   specs = f"onebit_optax.zero_one_partition_specs(state, {plan.axes.data!r})"
   if np.ndim(state.count) != 0:
     raise ValueError(f"{caller}: the state has a leading device axis (a jax.pmap state); under "
-                     f"jax.shard_map make it with onebit_optax.init_zero_one_sharded and {specs}.")
+                     f"jax.shard_map make it with onebit_optax.init_sharded and {specs}.")
   expected = (1, len(plan.layout.compressed))
   if tuple(np.shape(state.worker_scale)) != expected:
     raise ValueError(
@@ -228,14 +232,14 @@ def _check_types(updates, params, hp: _steps.Hyper, plan: _steps.Plan, state, ca
     raise ValueError(
         f"{caller}: the gradients are replicated over {plan.axes.data!r} (already all-reduced "
         "by jax.grad in the backward pass). Take the gradient at "
-        "onebit_optax.zero_one_local_params(params, opt_state, axis_name).")
+        "onebit_optax.local_params(params, axis_name, opt_state).")
   if hp.local_steps is None or params is None:
     return
   if any(n in _collective._varying_axes(p) for n in names for p in jax.tree.leaves(params)):
     raise ValueError(
         f"{caller}: with local steps pass the replicated parameters as params= (the point "
         "of the last sync), not each device's copy: the optimizer holds each device's "
-        "progress itself (zero_one_local_params gives the copy to differentiate at), and "
+        "progress itself (local_params(params, axis_name, opt_state) gives the copy to differentiate at), and "
         "per-device params would drift apart with nothing to bring them back.")
 
 
@@ -375,7 +379,7 @@ def scale_by_zero_one_adam(
   ``local_step_scaler`` local-phase steps up to :math:`H`. The parameters
   ``params`` stay replicated (the update is 0 on local steps and the synced
   move on a sync, identical bits on every device); differentiate at
-  :func:`zero_one_local_params`, this device's :math:`\theta_i`. The learning
+  :func:`local_params` (with ``opt_state``), this device's :math:`\theta_i`. The learning
   rate is part of the sync, so with local steps it is an argument here and the
   output is the parameter update itself. A local step at step :math:`t`
   (from 1) uses ``learning_rate(t - 1)``, optax's ``schedule(count)``
@@ -461,7 +465,7 @@ def scale_by_zero_one_adam(
     >>> phases = []
     >>> for _ in range(19):
     ...   _, state = update({'w': jnp.array([1., -2., 3.])}, state)
-    ...   phases.append(onebit_optax.zero_one_phase(state)[0])
+    ...   phases.append(onebit_optax.status(state).phase[0])
     >>> ''.join(phases)
     'vvvvcvcvcvcvcccvccc'
 
@@ -533,8 +537,8 @@ def zero_one_adam(
   steps and the replicas meet every 1, 2, ..., :math:`H` steps (a chain of
   :func:`scale_by_zero_one_adam` alone, which then applies the learning rate
   and weight decay itself). ``params`` stays the replicated point of the last
-  sync; take the gradient at ``zero_one_local_params(params, opt_state,
-  axis_name)`` and pass ``params`` to ``update``.
+  sync; take the gradient at ``local_params(params, axis_name, opt_state)``
+  and pass ``params`` to ``update``.
 
   The training step under ``jax.shard_map`` (with or without local steps; under
   ``jax.pmap`` the same body, with the state made by ``jax.pmap(tx.init)``):
@@ -543,15 +547,15 @@ def zero_one_adam(
 
     tx = onebit_optax.zero_one_adam(1e-3, axis_name='data', var_freeze_step=500,
                                     local_steps=16)           # or local_steps=None
-    opt_state = onebit_optax.init_zero_one_sharded(tx, params, mesh)
-    specs = onebit_optax.zero_one_partition_specs(opt_state, 'data')
+    opt_state = onebit_optax.init_sharded(tx, params, mesh)
+    specs = onebit_optax.state_partition_specs(opt_state, 'data')
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P('data')),
                        out_specs=(P(), specs, P()))
     def train_step(params, opt_state, batch):
       # this device's copy (params + its progress since the last sync), typed per device
-      local = onebit_optax.zero_one_local_params(params, opt_state, 'data')
+      local = onebit_optax.local_params(params, 'data', opt_state)
       loss, grads = jax.value_and_grad(loss_fn)(local, batch)
       updates, opt_state = tx.update(grads, opt_state, params)  # params: the replicated point
       return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, 'data')
@@ -559,7 +563,7 @@ def zero_one_adam(
   ``params`` leave replicated (``P()``): between syncs they stay the point of
   the last sync, and every device holds the same bits. To evaluate the model
   between syncs, use ``params`` (the synced point) or gather
-  ``zero_one_local_params`` (each device's copy).
+  ``local_params(params, axis_name, opt_state)`` (each device's copy).
 
   To clip gradients, chain :func:`onebit_optax.clip_by_global_norm` (with the
   same ``axis_name``) before it: :func:`optax.clip_by_global_norm` on the
@@ -602,7 +606,7 @@ def zero_one_adam(
     ...   return optax.apply_updates(params, updates), state
     >>> for _ in range(60):
     ...   params, state = step(params, state)
-    >>> onebit_optax.zero_one_phase(state), bool(jnp.all(jnp.abs(params) < 1.0))
+    >>> onebit_optax.status(state).phase, bool(jnp.all(jnp.abs(params) < 1.0))
     ('sync', True)
 
   References:

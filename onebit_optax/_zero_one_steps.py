@@ -192,7 +192,7 @@ def _progress(hp: Hyper, plan: Plan, i, m, nu, denominator, bc1, a, param, lr):
   AdamW on the char GPT of ``benchmarks/convergence.py``, a sync every step;
   CHANGELOG). The bound applies to the sync's move instead
   (:func:`_sync_move`). :math:`\theta_i = \theta + a_i` is this
-  device's copy of the parameters (:func:`zero_one_local_params`); the
+  device's copy of the parameters (:func:`local_params` with the state); the
   parameters themselves do not move.
   """
   d = jnp.where(nu > 0, (m / bc1) / denominator, 0.0)

@@ -352,7 +352,7 @@ def test_a_state_without_the_sharded_layout_is_refused(tmp_path):
   pmapped = jax.tree.map(lambda a: np.stack([np.asarray(a)] * 2), state)
   with pytest.raises(ValueError, match="pmap state"):
     onebit_optax.save_checkpoint(str(tmp_path), 1, params, pmapped)
-  with pytest.raises(ValueError, match="exactly one 1-bit Adam state"):
+  with pytest.raises(ValueError, match="exactly one 1-bit Adam or 0/1 Adam state"):
     onebit_optax.save_checkpoint(str(tmp_path), 1, params, optax.adam(1e-3).init(params))
   assert not (tmp_path / "1").exists()
 

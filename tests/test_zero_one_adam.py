@@ -320,7 +320,7 @@ def _step_fn(H=None, scaler=4, kappa=KAPPA, freeze=FREEZE, ema="per_update"):
   """(tx, jitted shard_map train step, state specs) of one configuration (one compile)."""
   mesh, tx = _mesh(), _tx(H, scaler, kappa=kappa, freeze=freeze, variance_ema=ema)
   params, _, _ = _problem()
-  specs = onebit_optax.zero_one_partition_specs(
+  specs = onebit_optax.state_partition_specs(
       jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
                                    check_vma=False), params), "data")
 
@@ -328,7 +328,7 @@ def _step_fn(H=None, scaler=4, kappa=KAPPA, freeze=FREEZE, ema="per_update"):
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
                      out_specs=(P(), specs, P("data")))
   def step(params, opt_state, c, t):
-    local = onebit_optax.zero_one_local_params(params, opt_state, "data")
+    local = onebit_optax.local_params(params, "data", opt_state)
     grads = jax.grad(_loss)(local, jax.tree.map(lambda x: x[0], c), jax.tree.map(lambda x: x[0], t))
     updates, opt_state = tx.update(grads, opt_state, params)
     new = optax.apply_updates(params, updates)
@@ -344,7 +344,7 @@ def _start(H=None, scaler=4, seed=0, **kw):
   mesh = _mesh()
   tx, step, _ = _step_fn(H, scaler, **kw)
   params0, c, t = _problem(seed)
-  state = onebit_optax.init_zero_one_sharded(tx, params0, mesh)
+  state = onebit_optax.init_sharded(tx, params0, mesh)
   put = lambda tree: jax.device_put(tree, NamedSharding(mesh, P("data")))
   return step, jax.device_put(params0, NamedSharding(mesh, P())), state, put(c), put(t)
 
@@ -379,7 +379,7 @@ def _check_against(sim, params, opt_state, at):
         for k in NAMES:
           np.testing.assert_allclose(np.asarray(field[k])[d], expected[d][k], rtol=0,
                                      atol=TOL * scale, err_msg=f"{name}[{k}] device {d} {at}")
-  assert onebit_optax.zero_one_phase(opt_state) == sim.phase, at
+  assert onebit_optax.status(opt_state).phase == sim.phase, at
   assert float(onebit_optax.wire_bytes(opt_state)) == pytest.approx(sim.wire_bytes), at
 
 
@@ -483,13 +483,13 @@ def _branch_collectives(H, layers):
   params = _deep_params(layers)
   state = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
                                        check_vma=False), params)
-  specs = onebit_optax.zero_one_partition_specs(state, "data")
+  specs = onebit_optax.state_partition_specs(state, "data")
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")),
                      out_specs=(P(), specs))
   def step(params, opt_state, x):
-    grads = jax.grad(_deep_loss)(onebit_optax.zero_one_local_params(params, opt_state, "data"), x)
+    grads = jax.grad(_deep_loss)(onebit_optax.local_params(params, "data", opt_state), x)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -567,7 +567,7 @@ def test_variance_steps_are_optax_adamw_on_8_devices():
   step, params, state, c, t = _start(None)
   for n, ref in enumerate(_adamw_reference(4)):
     params, state, _ = step(params, state, c, t)
-    assert onebit_optax.zero_one_phase(state) == "variance"
+    assert onebit_optax.status(state).phase == "variance"
     _assert_adamw(params, ref, f"after step {n + 1}")
 
 
@@ -590,7 +590,7 @@ def test_all_variance_steps_is_optax_adamw():
   state = tx.init(params)
   for n, ref in enumerate(_adamw_reference(30)):
     params, state = step(params, state)
-    assert onebit_optax.zero_one_phase(state) == "variance"
+    assert onebit_optax.status(state).phase == "variance"
     _assert_adamw(params, ref, f"after step {n + 1}")
 
 
@@ -603,13 +603,13 @@ def test_replicas_bitwise_identical_over_120_steps(H):
     params, state, copies = step(params, state, c, t)
     _replicas(copies)
     s = _inner(state)
-    if H is not None and onebit_optax.zero_one_phase(state) == "sync":
+    if H is not None and onebit_optax.status(state).phase == "sync":
       syncs += 1
       for k in NAMES:
         assert not np.any(np.asarray(s.accumulator[k])), k  # every copy is the synced point
         mu = np.asarray(s.local_mu[k])
         assert all(np.array_equal(mu[0], mu[d]) for d in range(N)), k
-    elif H is not None and onebit_optax.zero_one_phase(state) == "local":
+    elif H is not None and onebit_optax.status(state).phase == "local":
       acc = np.asarray(s.accumulator["w"])
       drifted += not all(np.array_equal(acc[0], acc[d]) for d in range(N))
   assert all(np.all(np.isfinite(np.asarray(v))) for v in params.values())
@@ -647,14 +647,14 @@ def test_nonfinite_local_step_drops_the_interval():
   t_bad = jax.device_put(bad, NamedSharding(_mesh(), P("data")))
   for _ in range(22):  # steps 19, 21: local; 20, 22: syncs
     params, state, _ = step(params, state, c, t)
-  assert onebit_optax.zero_one_phase(state) == "sync"
+  assert onebit_optax.status(state).phase == "sync"
   before = jax.tree.map(np.asarray, params)
   params, state, _ = step(params, state, c, t_bad)  # step 23: local
   params, state, copies = step(params, state, c, t)  # 24: local
   params, state, copies = step(params, state, c, t)  # 25: local
   params, state, copies = step(params, state, c, t)  # 26: the sync
   s = _inner(state)
-  assert onebit_optax.zero_one_phase(state) == "sync" and int(s.skipped_steps) == 1
+  assert onebit_optax.status(state).phase == "sync" and int(s.skipped_steps) == 1
   assert all(np.array_equal(before[k], np.asarray(params[k])) for k in NAMES)
   assert all(not np.any(np.asarray(s.accumulator[k])) for k in NAMES)
   _replicas(copies)
@@ -674,7 +674,7 @@ def test_pmap_matches_shard_map():
 
   @functools.partial(jax.pmap, axis_name="data", devices=devices)
   def step(params, opt_state, c, t):
-    local = onebit_optax.zero_one_local_params(params, opt_state, "data")
+    local = onebit_optax.local_params(params, "data", opt_state)
     grads = jax.grad(_loss)(local, c, t)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -683,7 +683,7 @@ def test_pmap_matches_shard_map():
   for _ in range(22):  # through variance, compressed, local steps and syncs (22: a sync)
     params, state = jax.block_until_ready(step(params, state, c_np, t_np))
     ref_params, ref_state, _ = ref_step(ref_params, ref_state, c, t)
-  assert onebit_optax.zero_one_phase(state) == "sync"
+  assert onebit_optax.status(state).phase == "sync"
   for k in NAMES:
     p = np.asarray(params[k])
     assert all(np.array_equal(p[0], p[d]) for d in range(N)), k
@@ -713,13 +713,13 @@ def _trace_step(tx, *, state_specs=None, use_local=True, pass_local_as_params=Fa
   params, c, t = _problem()
   state = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
                                        check_vma=False), params)
-  specs = onebit_optax.zero_one_partition_specs(state, "data")
+  specs = onebit_optax.state_partition_specs(state, "data")
   in_specs = specs if state_specs is None else jax.tree.map(lambda _: state_specs, specs)
 
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), in_specs, P("data"), P("data")),
                      out_specs=P())
   def step(params, opt_state, c, t):
-    local = (onebit_optax.zero_one_local_params(params, opt_state, "data") if use_local
+    local = (onebit_optax.local_params(params, "data", opt_state) if use_local
              else params)
     grads = jax.grad(_loss)(local, jax.tree.map(lambda x: x[0], c), jax.tree.map(lambda x: x[0], t))
     updates, _ = tx.update(grads, opt_state, local if pass_local_as_params else params)
@@ -770,12 +770,12 @@ def test_checkpoint_resumes_bitwise_in_every_phase(tmp_path):
   for n in range(1, end + 1):
     params, state, _ = step(params, state, c, t)
     if n in (4, 5, 22, 23):  # variance, compressed, sync, local
-      assert onebit_optax.zero_one_phase(state)[0] == "vcsl"[(4, 5, 22, 23).index(n)]
+      assert onebit_optax.status(state).phase[0] == "vcsl"[(4, 5, 22, 23).index(n)]
       path = tmp_path / f"step{n}"
       with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, {"params": params, "opt_state": state})
       saved[n] = path
-  specs = onebit_optax.zero_one_partition_specs(state, "data")
+  specs = onebit_optax.state_partition_specs(state, "data")
   target = {"params": jax.tree.map(lambda x: jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=NamedSharding(mesh, P())), params),
             "opt_state": jax.tree.map(lambda x, sp: jax.ShapeDtypeStruct(
@@ -817,7 +817,7 @@ def test_bfloat16_params_under_inject_hyperparams(H):
 
   @jax.jit
   def step(params, state):
-    grads = jax.grad(loss)(onebit_optax.zero_one_local_params(params, state, None))
+    grads = jax.grad(loss)(onebit_optax.local_params(params, None, state))
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -826,22 +826,23 @@ def test_bfloat16_params_under_inject_hyperparams(H):
     params, state = step(params, state)
   inner = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(
       s, onebit_optax.ScaleByZeroOneAdamState)) if isinstance(s, onebit_optax.ScaleByZeroOneAdamState)][0]
-  assert onebit_optax.zero_one_phase(state) in (("sync",) if H is None else ("sync", "local"))
+  assert onebit_optax.status(state).phase in (("sync",) if H is None else ("sync", "local"))
   assert params["w"].dtype == jnp.bfloat16 and inner.mu["w"].dtype == jnp.float32
   assert float(loss(params)) < 0.05 * float(loss({"w": jnp.ones(300), "b": jnp.zeros(3)}))
 
 
 @pytest.mark.parametrize("H", [None, 4])
-def test_move_state_to_another_device_count(H):
-  """8 -> 4 devices: moments and schedule carried, error feedback re-laid out (zeros); between syncs refused."""
+def test_move_state_to_another_device_count(H, tmp_path):
+  """8 -> 4 devices through a checkpoint: moments and schedule carried, error feedback re-laid out (zeros); between syncs refused."""
   step, params, state, c, t = _start(H)
   for _ in range(22):  # step 22: a sync (with H = 4: syncs at 20, 22, 26)
     params, state, _ = step(params, state, c, t)
-  assert onebit_optax.zero_one_phase(state) == "sync"
+  assert onebit_optax.status(state).phase == "sync"
   tx = _tx(H)
   mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   host_params = jax.tree.map(np.asarray, params)
-  moved = onebit_optax.zero_one_move_state(tx, host_params, state, mesh4)
+  onebit_optax.save_checkpoint(tmp_path, 22, params, state, tx=tx)
+  _, moved, _ = onebit_optax.restore_checkpoint(tmp_path, tx, host_params, mesh4)
   old, new = _inner(state), _inner(moved)
   for name in ("count", "mu", "nu", "nu_l1", "variance_updates", "var_interval", "var_counter",
                "variance_step", "local_interval", "local_counter", "since_sync", "phase"):
@@ -855,12 +856,12 @@ def test_move_state_to_another_device_count(H):
   if H is not None:
     np.testing.assert_array_equal(np.asarray(new.local_mu["w"])[3], np.asarray(old.mu["w"]))
   # The moved state is one the 4-device update accepts (traced, not compiled).
-  specs = onebit_optax.zero_one_partition_specs(moved, "data")
+  specs = onebit_optax.state_partition_specs(moved, "data")
 
   @functools.partial(jax.shard_map, mesh=mesh4, in_specs=(P(), specs, P("data"), P("data")),
                      out_specs=P())
   def update(params, opt_state, c, t):
-    local = onebit_optax.zero_one_local_params(params, opt_state, "data")
+    local = onebit_optax.local_params(params, "data", opt_state)
     grads = jax.grad(_loss)(local, jax.tree.map(lambda x: x[0], c), jax.tree.map(lambda x: x[0], t))
     return jax.tree.map(jnp.sum, tx.update(grads, opt_state, params)[0])
 
@@ -869,5 +870,6 @@ def test_move_state_to_another_device_count(H):
   jax.eval_shape(update, _placed(mesh4, host_params, P()), moved, half(c_np), half(t_np))
   if H is not None:
     params, state, _ = step(params, state, c, t)  # step 23: local, between syncs
+    onebit_optax.save_checkpoint(tmp_path, 23, params, state, tx=tx)
     with pytest.raises(ValueError, match="between two syncs"):
-      onebit_optax.zero_one_move_state(tx, host_params, state, mesh4)
+      onebit_optax.restore_checkpoint(tmp_path, tx, host_params, mesh4)

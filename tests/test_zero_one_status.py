@@ -89,7 +89,7 @@ def test_status_of_a_pmap_state_with_local_steps():
 
   @functools.partial(jax.pmap, axis_name="data", devices=devices)
   def step(params, opt_state, shift):
-    local = onebit_optax.zero_one_local_params(params, opt_state, "data")
+    local = onebit_optax.local_params(params, "data", opt_state)
     grads = jax.grad(lambda p: jnp.sum((p["w"] - shift) ** 2))(local)
     updates, opt_state = tx.update(grads, opt_state, params)
     return jax.tree.map(lambda p, u: p + u, params, updates), opt_state

@@ -28,6 +28,7 @@ import inspect
 import re
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,11 +40,9 @@ NOTEBOOK = ROOT / "notebooks" / "onebit_adam_quickstart.ipynb"
 API_SECTIONS = (
     ("_onebit_adam", "The optimizer"),
     ("_zero_one_adam", "0/1 Adam"),
-    ("_zero_one_sharding", "0/1 Adam: shard_map helpers"),
     ("_freeze", "Freeze policies"),
     ("_accessors", "Reading the state"),
     ("_status", "Logging and replica checks"),
-    ("_zero_one_status", "Logging and replica checks"),
     ("_sharding", "shard_map helpers"),
     ("_accumulate", "Accumulation and clipping"),
     ("_partition", "Frozen layers and partitions"),
@@ -372,6 +371,33 @@ def example_names() -> list[str]:
   return sorted(p.stem for p in (ROOT / "examples").glob("*.py") if not p.stem.startswith("_"))
 
 
+def docstring_markdown(doc: str) -> str:
+  """A script's reST docstring as MyST markdown: ``x`` as `x`, indented blocks as code."""
+  out, block, previous = [], [], ""
+
+  def flush():
+    if block:
+      body = textwrap.dedent("\n".join(block)).strip("\n")
+      language = "bash" if re.match(r"(python3? |\$ )", body) else "text"
+      out.extend([f"```{language}", body, "```", ""])
+      block.clear()
+
+  for line in doc.splitlines():
+    indented = line.startswith("    ") and line.strip()
+    in_list = bool(re.match(r"^\s*(\d+\.|[-*]) ", previous)) or (previous.startswith("   ") and not block)
+    if indented and (block or (not previous.strip() and not in_list)):
+      block.append(line)
+      continue
+    if block and not line.strip():
+      block.append(line)
+      continue
+    flush()
+    out.append(re.sub(r"``([^`]+)``", r"`\1`", line))
+    previous = line
+  flush()
+  return "\n".join(out).strip()
+
+
 def examples_page() -> str:
   """One section per script of ``examples/``: its docstring (how to run it), then its source."""
   import ast  # pylint: disable=import-outside-toplevel
@@ -386,8 +412,9 @@ def examples_page() -> str:
     summary, _, rest = doc.partition("\n")
     body = module.body[0]
     first = body.end_lineno + 1 if doc else 1  # the source after the docstring shown above
-    lines += [f"## `examples/{name}.py`", "", summary.strip(), "", "```text", rest.strip(), "```",
-              "", "```{literalinclude} " + f"../../examples/{name}.py", ":language: python",
+    lines += [f"## `examples/{name}.py`", "", docstring_markdown(summary), "",
+              docstring_markdown(rest), "",
+              "```{literalinclude} " + f"../../examples/{name}.py", ":language: python",
               f":lines: {first}-", ":lineno-match:", "```", ""]
   return "\n".join(lines)
 
@@ -438,7 +465,9 @@ def generate(docs: Path) -> None:
                     ("convergence_zero_one_summary", "zero_one_study")):
     _write(docs / "guides" / "generated" / f"{inc}.inc",
            _excerpt(name, "python benchmarks/convergence.py") + "\n")
-  notebook = NOTEBOOK.read_text(encoding="utf-8").replace("](../README.md)", "](../index.md)")
+  # Its links into the repository's docs/ point at the pages beside it on the site.
+  notebook = (NOTEBOOK.read_text(encoding="utf-8").replace("](../README.md)", "](../index.md)")
+              .replace("](../docs/", "](../"))
   _write(docs / "notebooks" / NOTEBOOK.name, notebook)
 
 
