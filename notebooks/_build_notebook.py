@@ -283,8 +283,9 @@ The whole recipe, on a toy regression so that it runs on its own: replicate the 
 `init_sharded` the optimizer state, shard it with `state_partition_specs`, take gradients with
 respect to `local_params`, and let `tx.update` do the communication. The accessors (`is_frozen`,
 `freeze_step`, `variance_ratio`, `wire_bytes`) work on any optimizer state that contains 1-bit
-Adam. For `jax.pmap` and multi-host training, see the docs: `docs/getting_started.md` (the pmap
-recipe) and `docs/guides/multihost.md`.
+Adam. For `jax.pmap` and multi-host training, see the docs:
+[docs/getting_started.md](../docs/getting_started.md) (the pmap recipe) and
+[docs/guides/multihost.md](../docs/guides/multihost.md).
 """),
     ("code", r"""
 def my_loss(params, x, y):
