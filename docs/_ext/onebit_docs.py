@@ -40,11 +40,9 @@ NOTEBOOK = ROOT / "notebooks" / "onebit_adam_quickstart.ipynb"
 API_SECTIONS = (
     ("_onebit_adam", "The optimizer"),
     ("_zero_one_adam", "0/1 Adam"),
-    ("_zero_one_sharding", "0/1 Adam: shard_map helpers"),
     ("_freeze", "Freeze policies"),
     ("_accessors", "Reading the state"),
     ("_status", "Logging and replica checks"),
-    ("_zero_one_status", "Logging and replica checks"),
     ("_sharding", "shard_map helpers"),
     ("_accumulate", "Accumulation and clipping"),
     ("_partition", "Frozen layers and partitions"),
