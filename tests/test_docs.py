@@ -93,6 +93,15 @@ def test_api_index_follows_all(monkeypatch):
   assert "## Brand new\n" in page
 
 
+def test_generate_drops_the_stubs_of_removed_names(tmp_path):
+  stubs = tmp_path / "api" / "generated"
+  stubs.mkdir(parents=True)
+  (stubs / "onebit_optax.onebit_adam.rst").write_text("kept")
+  (stubs / "onebit_optax.a_name_removed_from_all.rst").write_text("stale")
+  onebit_docs.generate(tmp_path)
+  assert sorted(p.name for p in stubs.iterdir()) == ["onebit_optax.onebit_adam.rst"]
+
+
 def test_renumber_headings_nests_without_gaps():
   text = "#### A\n\ntext\n\n###### B\n```\n# not a heading\n```\n#### C\n# D\n### E"
   out = onebit_docs.renumber_headings(text)

@@ -447,6 +447,12 @@ def _excerpt(name: str, command: str) -> str:
 def generate(docs: Path) -> None:
   """Writes the generated sources under the docs source folder ``docs``."""
   _write(docs / "api" / "index.md", api_index())
+  # autosummary writes a stub per public name and never deletes one: a name gone from
+  # __all__ would leave a page outside every toctree (a warning, so a failed build).
+  public = set(public_names())
+  for stub in (docs / "api" / "generated").glob("onebit_optax.*.rst"):
+    if stub.stem.split(".", 1)[1] not in public:
+      stub.unlink()
   _write(docs / "examples" / "index.md", examples_page())
   out = docs / "results" / "generated"
   names = result_names()
