@@ -164,3 +164,33 @@ def test_shipped_inventories_are_the_generated_ones():
     shipped = ROOT / "docs" / "_inventories" / f"{library}.inv"
     assert shipped.read_bytes() == make_inventories.inventory(library), (
         f"{shipped.name} is stale: run python docs/_inventories/make_inventories.py")
+
+
+def test_every_internal_link_and_anchor_resolves():
+  # The site's own links: every href to a page of the site names a file that was built and,
+  # with a #fragment, an id on that page (Sphinx's -n checks references, not raw links).
+  site = _site()
+  ids: dict[Path, set[str]] = {}
+
+  def ids_of(page: Path) -> set[str]:
+    if page not in ids:
+      ids[page] = set(re.findall(r'\bid="([^"]+)"', page.read_text()))
+    return ids[page]
+
+  # The pages this build wrote (an earlier build's pages of removed names stay on disk).
+  index = (site / "searchindex.js").read_text()
+  docnames = re.findall(r'"([^"]+)"', re.search(r'"docnames":\[(.*?)\]', index).group(1))
+  broken, checked = [], 0
+  for page in (site / f"{name}.html" for name in docnames):
+    for href in re.findall(r'<a\b[^>]*\bhref="([^"]+)"', _without_scripts(page.read_text())):
+      if re.match(r"[a-z][a-z0-9+.-]*:", href) or href.startswith("//"):
+        continue  # another site, mailto:
+      path, _, fragment = href.partition("#")
+      target = (page.parent / path.split("?")[0]).resolve() if path else page
+      checked += 1
+      if not target.exists():
+        broken.append(f"{page.relative_to(site)} -> {href}")
+      elif fragment and target.suffix == ".html" and fragment not in ids_of(target):
+        broken.append(f"{page.relative_to(site)} -> {href} (no such anchor)")
+  assert checked > 1000, checked
+  assert not broken, broken[:20]

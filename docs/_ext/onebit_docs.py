@@ -267,8 +267,9 @@ def result_page(name: str) -> str:
     lines += [RESULT_INTROS[name], ""]
   png = RESULTS / f"{name}.png"
   if png.exists():  # first, with a caption (the file's own image line, if any, is dropped)
-    lines += [f":::{{figure}} {name}.png", f":alt: {title}", ":width: 100%",
-              f":target: {name}.png", "", figure_caption(name), ":::", ""]
+    # Scaled by a width, Sphinx links the image to its full size (html_scaled_image_link).
+    lines += [f":::{{figure}} {name}.png", f":alt: {title}", ":width: 100%", "",
+              figure_caption(name), ":::", ""]
   script = _script_of(name)
   committed = _last_commit(RESULTS / f"{name}.md")
   lines += [
