@@ -16,7 +16,13 @@ from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 from onebit_optax import _zero_one_sharding
 from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 
-__all__ = ["local_params", "model_replicated", "state_partition_specs", "init_sharded"]
+__all__ = ["local_params", "model_replicated", "state_partition_specs", "init_sharded",
+           "PER_DEVICE_FIELDS"]
+
+_ONEBIT_PER_DEVICE = ("local_momentum", "worker_scale", "worker_error", "server_error")
+# The state fields, of either optimizer, that hold one row per device (sharded over the data
+# axis; every other field is replicated): what state_partition_specs gives P(axis_name).
+PER_DEVICE_FIELDS = tuple(dict.fromkeys(_ONEBIT_PER_DEVICE + _zero_one_sharding.PER_DEVICE))
 
 
 def local_params(params, axis_name: Hashable, opt_state=None):
@@ -217,11 +223,9 @@ def state_partition_specs(opt_state, axis_name: Hashable,
       replicated = jax.tree.map(lambda _: P(), node)
       return replicated._replace(
           mu=moments_specs(node.mu), nu=moments_specs(node.nu),
-          local_momentum=jax.tree.map(lambda _: per_device, node.local_momentum),
-          worker_scale=per_device,
-          worker_error=None if node.worker_error is None else per_device,
-          server_error=None if node.server_error is None else per_device,
-          momentum_message=per_model_shard, nu_l1=per_model_shard)
+          momentum_message=per_model_shard, nu_l1=per_model_shard,
+          **{name: jax.tree.map(lambda _: per_device, getattr(node, name))
+             for name in _ONEBIT_PER_DEVICE})
     if isinstance(node, CompressedMeanState):
       replicated = jax.tree.map(lambda _: P(), node)
       return replicated._replace(worker_error=per_device, server_error=per_device)

@@ -46,14 +46,22 @@ def at_local_point(params, opt_state):
   accumulator = found[0].accumulator if found else None
   if accumulator is None:
     return params
-  accumulator = jax.tree.map(_plain, accumulator)
-  try:
-    return jax.tree.map(lambda p, a: p + a[0].astype(p.dtype), params, accumulator)
-  except ValueError as e:
+  # Leaf by leaf in flattening order: the parameters may come in another container
+  # than the state was made from (a Flax nnx.State against the dict of tx.init).
+  leaves, treedef = jax.tree.flatten(params)
+  progress = [_plain(a) for a in jax.tree.leaves(accumulator, is_leaf=_is_variable)]
+  if [np.shape(p) for p in leaves] != [np.shape(a)[1:] for a in progress]:
     raise ValueError(
-        "local_params: the parameters do not have the structure of the 0/1 Adam state's "
-        f"accumulator ({jax.tree.structure(params)} vs {jax.tree.structure(accumulator)}): "
-        "pass the parameters this optimizer state was made for.") from e
+        "local_params: the parameters do not have the shapes of the 0/1 Adam state's "
+        f"accumulator ({[np.shape(p) for p in leaves][:4]}... vs "
+        f"{[np.shape(a)[1:] for a in progress][:4]}...): pass the parameters this optimizer "
+        "state was made for, and the state itself (nnx.as_pure(optimizer.opt_state) with "
+        "Flax NNX).")
+  return treedef.unflatten([p + a[0].astype(p.dtype) for p, a in zip(leaves, progress)])
+
+
+def _is_variable(x) -> bool:
+  return hasattr(x, "get_value") and not isinstance(x, (jax.Array, np.ndarray))
 
 
 def _plain(x):

@@ -422,3 +422,46 @@ def test_nnx_optimizer_outside_shard_map_points_to_the_nnx_guide(nnx_guide):
   ns, _, _ = nnx_guide
   with pytest.raises(ValueError, match=r"nnx\.Optimizer.*docs/guides/nnx\.md"):
     nnx.Optimizer(ns["MLP"](nnx.Rngs(0)), ns["tx"], wrt=nnx.Param)
+
+
+def test_the_nnx_filter_names_every_per_device_field_of_both_optimizers():
+  from onebit_optax import _sharding
+  guide = (GUIDES / "nnx.md").read_text()
+  block = guide[guide.index("optimizer_specs = nnx.StateSharding({"):]
+  block = block[:block.index("})")]
+  assert set(re.findall(r"PathContains\('(\w+)'\): P\('data'\)", block)) == set(
+      _sharding.PER_DEVICE_FIELDS)
+
+
+def test_nnx_guide_step_trains_zero_one_adam_with_local_steps(nnx_guide):
+  """The guide's filter and step with zero_one_adam(local_steps=4), as its 0/1 paragraph says."""
+  from flax import nnx
+  ns, _, _ = nnx_guide
+  tx = onebit_optax.zero_one_adam(LR, axis_name="data", var_freeze_step=FREEZE, local_steps=4,
+                                  local_step_scaler=2)
+  mesh, specs = ns["mesh"], ns["optimizer_specs"]
+
+  @nnx.jit
+  @nnx.shard_map(mesh=mesh, in_specs=P(), out_specs=specs)
+  def create(model):
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  @nnx.shard_map(mesh=mesh, in_specs=(P(), specs, P("data"), P("data")), out_specs=P())
+  def step(model, optimizer, x, y):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    local = onebit_optax.local_params(params, "data", nnx.as_pure(optimizer.opt_state))
+    loss, grads = jax.value_and_grad(
+        lambda p: ns["loss_fn"](nnx.merge(graphdef, p, rest), x, y))(local)
+    optimizer.update(model, grads)
+    return jax.lax.pmean(loss, "data")
+
+  model = ns["MLP"](nnx.Rngs(0))
+  optimizer = create(model)
+  losses, phases = [], []
+  for _ in range(STEPS):
+    losses.append(float(step(model, optimizer, ns["x"], ns["y"])))
+    phases.append(onebit_optax.status(nnx.as_pure(optimizer.opt_state)).phase)
+  assert {"variance", "local", "sync"} <= set(phases), phases
+  assert losses[-1] < 0.5 * losses[0]
+  onebit_optax.assert_replicas_identical(nnx.state(model, nnx.Param))
