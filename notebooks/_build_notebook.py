@@ -30,16 +30,15 @@ accelerator), plots what happens, and ends with the recipe for your own training
 It runs in about a minute on a laptop CPU.
 """),
     ("code", r"""
-# Setup: installs onebit-optax where it is missing (e.g. on Colab). Until it is published on PyPI,
-# install it from a checkout instead: `pip install -e .` in the repository root.
-import importlib
+# Setup: onebit-optax is not on PyPI. Install it from a clone of the repository first:
+# `pip install -e .` in its root (or `python3 dev.py env`, which installs it into .venv).
 import importlib.util
-import subprocess
 import sys
 
 if importlib.util.find_spec('onebit_optax') is None:
-  subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', 'onebit-optax'], check=True)
-  importlib.invalidate_caches()
+  raise ModuleNotFoundError(
+      "onebit_optax is not installed (it is not on PyPI): in a clone of the repository run "
+      "`pip install -e .`, then restart this notebook's kernel.")
 print('python:', sys.executable)
 """),
     ("code", r"""
