@@ -302,7 +302,7 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
     >>> target = onebit_optax.abstract_state(tx, {'w': jnp.ones(300)}, mesh)
     >>> target[0].local_momentum[0].shape, target[0].local_momentum[0].sharding.spec
-    ((2, 300), P('data',))
+    ((2, 300), P('data', None))
     >>> target[0].momentum_message.shape, target[0].worker_error
     ((2, 40), None)
 
@@ -329,8 +329,19 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
       jax.shard_map(tx.init, mesh=mesh, in_specs=(in_specs,), out_specs=specs,
                     check_vma=False), params)
   return jax.tree.map(
-      lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+      lambda x, spec: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=NamedSharding(mesh, _full_spec(spec, len(x.shape)))),
       shapes, specs)
+
+
+def _full_spec(spec, ndim: int):
+  """``spec`` with one entry per dimension, as ``shard_map``'s outputs (init_sharded's state) spell it.
+
+  ``NamedSharding(mesh, P())`` and ``NamedSharding(mesh, P(None, None))`` place
+  an array alike but compare unequal, so a state restored with the short
+  spelling compiled the training step a second time.
+  """
+  return P(*(tuple(spec) + (None,) * (ndim - len(spec))))
 
 
 def save_checkpoint(directory_or_manager, step: int, params, opt_state, *, tx=None) -> bool:

@@ -38,7 +38,7 @@ class Status(NamedTuple):
     step 0: last step none; 0 variance steps so far, one every 1 steps now, next variance step 1; 0 non-finite steps skipped; no communication (one device)
   """
 
-  phase: str  # 1-bit Adam: 'warmup' or 'compression', the phase the next step runs. 0/1 Adam: the last step's kind, 'variance', 'compressed', 'local', 'sync' ('none' before the first).
+  phase: str  # 1-bit Adam: 'warmup' or 'compression', the phase the next step runs. 0/1 Adam: the kind of the last step taken, 'variance', 'compressed', 'local', 'sync' ('none' before the first; a skipped call leaves it).
   step: int  # optimizer steps taken (skipped steps are not counted).
   freeze_step: Optional[int]  # last step before v froze (0/1 Adam: var_freeze_step, when given and passed); None before.
   next_check: Optional[int]  # 1-bit Adam: first step at which the policy may freeze; None once frozen (and for 0/1 Adam).
@@ -65,6 +65,15 @@ class Status(NamedTuple):
     return None if self.next_check is None else self.next_check - self.step
 
   def _head(self) -> str:
+    head = self._phase_head()
+    if not self.skipped_steps:
+      return head
+    # "step 59" after 60 calls: say so where the step is named.
+    calls = self.step + self.skipped_steps
+    return head.replace(f"step {self.step}:", f"step {self.step} ({calls} calls, "
+                        f"{self.skipped_steps} skipped, not counted):", 1)
+
+  def _phase_head(self) -> str:
     if self.optimizer == "0/1 Adam":
       if self.frozen:
         return (f"step {self.step}: variance frozen after {self.variance_steps} variance "

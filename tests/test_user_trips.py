@@ -247,3 +247,11 @@ def test_without_an_axis_optax_clipping_is_plain_clipping():
     warnings.simplefilter("error", UserWarning)
     updates, _ = tx.update({"w": jnp.array([30.0, 40.0, 0.0])}, tx.init(params), params)
   assert bool(jnp.all(jnp.isfinite(updates["w"])))
+
+
+def test_init_sharded_of_zero_one_adam_names_the_mesh_axes():
+  """0/1 Adam through the shared helper: an axis the mesh lacks is named with the mesh's axes."""
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  tx = onebit_optax.zero_one_adam(1e-3, axis_name="batch", var_freeze_step=3)
+  with pytest.raises(ValueError, match=r"axis_name='batch' is not an axis of the mesh \{'data': 4\}"):
+    onebit_optax.init_sharded(tx, {"w": jnp.ones(300)}, mesh, axis_name="batch")

@@ -113,3 +113,16 @@ def test_status_refuses_mixed_arguments():
   onebit_state = onebit_optax.onebit_adam(1e-2, axis_name=None).init({"w": jnp.ones(3)})
   with pytest.raises(ValueError, match="var_freeze_step= is for a 0/1 Adam state"):
     onebit_optax.status(onebit_state, var_freeze_step=3)
+
+
+def test_a_skipped_call_is_named_where_the_step_is():
+  """After 3 calls of which one was skipped, the summary says step 2 and why it is not 3."""
+  tx = onebit_optax.zero_one_adam(1e-2, axis_name=None, var_freeze_step=10)
+  params = {"w": jnp.ones(300)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for g in (1.0, jnp.nan, 1.0):
+    _, state = update({"w": jnp.full(300, g)}, state, params)
+  s = onebit_optax.status(state, var_freeze_step=10)
+  assert (s.step, s.skipped_steps, s.phase) == (2, 1, "variance")
+  assert str(s).startswith("step 2 (3 calls, 1 skipped, not counted): last step variance")
