@@ -17,6 +17,7 @@ from onebit_optax._compressor import padded_size
 from onebit_optax._compressor import sign_compress
 from onebit_optax._compressor import sign_decompress
 from onebit_optax._freeze import DefaultFreezeWarning
+from onebit_optax._guards import LocalClippingWarning
 from onebit_optax._freeze import FixedStepFreeze
 from onebit_optax._freeze import fixed_step_freeze
 from onebit_optax._freeze import VarianceRatioFreeze
@@ -65,6 +66,7 @@ __all__ = (
     "freeze_step",
     "init_sharded",
     "is_frozen",
+    "LocalClippingWarning",
     "local_params",
     "mean_updates",
     "model_replicated",

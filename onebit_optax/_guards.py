@@ -186,7 +186,21 @@ _WRAPPER_ADVICE = {
 
 
 class LocalClippingWarning(UserWarning):
-  """``optax.clip_by_global_norm`` before a communicating optimizer clips each device alone."""
+  """``optax.clip_by_global_norm`` before a communicating optimizer clips each device alone.
+
+  Before :func:`onebit_adam` / :func:`zero_one_adam` with an ``axis_name`` the
+  gradients are each device's *local* ones: optax's clip scales each by its own
+  norm (not the mean gradient's, and by another factor on every device).
+  :func:`clip_by_global_norm` with the same ``axis_name`` clips by the norm of
+  the mean gradient, one factor on every device. Warned once, when the update
+  is traced.
+
+  Example:
+    >>> import warnings, onebit_optax
+    >>> with warnings.catch_warnings():
+    ...   warnings.simplefilter('error', onebit_optax.LocalClippingWarning)
+    ...   tx = onebit_optax.clip_by_global_norm(1.0, axis_name='data')
+  """
 
 
 @functools.lru_cache(maxsize=1)

@@ -260,7 +260,7 @@ _RENDERED_MESSAGES = {
     "optax.apply_if_finite around ...",
     "b1=... must be in [0, 1)",
     "variance_floor=... must be finite and >= 0",
-    "max_update=... must be finite and > 0",
+    "max_update=... must be > 0",
     "ONEBIT_COORDINATOR_ADDRESS is set but ONEBIT_NUM_PROCESSES/ONEBIT_PROCESS_ID are missing",
     "Expected 8 threads to join the rendezvous, but only 7 arrived",
 }
