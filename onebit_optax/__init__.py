@@ -24,7 +24,7 @@ from onebit_optax._freeze import VarianceRatioFreeze
 from onebit_optax._freeze import variance_ratio_freeze
 from onebit_optax._accessors import freeze_step
 from onebit_optax._accessors import is_frozen
-from onebit_optax._onebit_adam import adam_update_bound
+from onebit_optax._bounded import adam_update_bound
 from onebit_optax._onebit_adam import onebit_adam
 from onebit_optax._onebit_adam import scale_by_onebit_adam
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 from optax._src import numerics
 
+from onebit_optax import _bounded
 from onebit_optax import _collective
 from onebit_optax import _config
 from onebit_optax import _freeze
@@ -21,7 +22,6 @@ __all__ = [
     "ScaleByOnebitAdamState",
     "scale_by_onebit_adam",
     "onebit_adam",
-    "adam_update_bound",
 ]
 
 F32 = jnp.float32
@@ -121,38 +121,6 @@ class _Moments(NamedTuple):
   variance_ratio: jax.Array
   reference_l1: jax.Array
   wire_bytes: jax.Array
-
-
-def adam_update_bound(b1, b2) -> jax.Array:
-  r"""How large Adam's per-coordinate step :math:`|\hat m_t / (\sqrt{\hat v_t} + \epsilon)|` can get.
-
-  Kingma & Ba (2015, Section 2.1): :math:`(1-\beta_1)/\sqrt{1-\beta_2}` when
-  :math:`1-\beta_1 > \sqrt{1-\beta_2}`, else 1. It is the default ``max_update``
-  of :func:`scale_by_onebit_adam`: after the freeze no coordinate steps further
-  than Adam could.
-
-  Args:
-    b1: decay rate of the first moment.
-    b2: decay rate of the second moment.
-
-  Returns:
-    A float32 scalar (3.16 for the defaults 0.9, 0.999).
-
-  Example:
-    >>> import onebit_optax
-    >>> round(float(onebit_optax.adam_update_bound(0.9, 0.999)), 3)
-    3.162
-
-  References:
-    Kingma & Ba, `Adam: A Method for Stochastic Optimization
-    <https://arxiv.org/abs/1412.6980>`_, ICLR 2015, Section 2.1.
-  """
-  b1, b2 = jnp.asarray(b1, F32), jnp.asarray(b2, F32)
-  return jnp.maximum(1.0, (1.0 - b1) / jnp.sqrt(1.0 - b2))
-
-
-def _bias_correction(decay, count):
-  return 1.0 - jnp.asarray(decay, F32) ** count
 
 
 def _old_mean(plan: _Plan, gathered, i: int, shape):
@@ -296,7 +264,7 @@ def _warmup(hp: _Hyper, plan: _Plan, grads, state, count) -> _Moments:
   if plan.axes.model is not None:  # the whole model's norm, so every shard freezes together
     l1 = jax.lax.psum(l1, plan.axes.model)
   freeze_now, reference, ratio = _freeze.freeze_decision(
-      hp.policy, count, l1 / _bias_correction(hp.b2, count), state.reference_l1,
+      hp.policy, count, l1 / _bounded.bias_correction(hp.b2, count), state.reference_l1,
       state.variance_ratio, hp.b2)
   return _Moments(mu, nu, nu_l1, finite, freeze_now & finite,
                   jnp.where(freeze_now & finite, count, 0).astype(jnp.int32), ratio, reference,
@@ -351,26 +319,22 @@ def _leaf_update(m, nu, frozen, bc1, bc2, floor, finite, hp: _Hyper):
   r"""One leaf's update: Adam's during warmup, the floored and clipped frozen-variance step after.
 
   One expression for both phases (the phase only changes scalars: the floor,
-  the clip), each intermediate used once, so that XLA writes the update in one
-  pass from the moments. In warmup the floor is 0 and the clip infinite, which
-  leaves :math:`\hat m / (\sqrt{\hat v} + \epsilon)` exactly.
+  the clip), so that XLA writes the update in one pass from the moments. In
+  warmup the floor is 0 and the clip infinite, which leaves
+  :math:`\hat m / (\sqrt{\hat v} + \epsilon)` exactly; a coordinate with
+  :math:`v = 0` stays put only once frozen (before, it is Adam's).
   """
-  bound = adam_update_bound(hp.b1, hp.b2) if hp.max_update is None else hp.max_update
-  bound = jnp.where(frozen, jnp.asarray(bound, F32), jnp.inf)
-  v_hat = jnp.maximum(nu / bc2, jnp.where(frozen, floor, 0.0))
-  step = jnp.clip((m / bc1) / (jnp.sqrt(v_hat) + hp.eps), -bound, bound)
-  # A coordinate whose frozen variance is 0 never had a gradient: its momentum
-  # is only the compressor's sign noise, which 1/(0 + eps) would amplify.
-  keep = finite & (jnp.logical_not(frozen) | (nu > 0))
-  return jnp.where(keep, step, 0.0)
+  return _bounded.bounded_step(m, nu, hp.b1, hp.b2, hp.eps, hp.max_update, bc1, bc2, floor,
+                               bounded=frozen, finite=finite,
+                               zero_without_variance=frozen)
 
 
 def _updates(hp: _Hyper, plan: _Plan, grads, state, ex: _Exchange, mo: _Moments,
              count) -> list:
   """The update of every leaf, from the new moments (warmup) or the new message (compression)."""
   finite = ex.finite & mo.finite
-  bc1 = _bias_correction(hp.b1, count)
-  bc2 = _bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
+  bc1 = _bounded.bias_correction(hp.b1, count)
+  bc2 = _bounded.bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
   out = []
   for i, g in enumerate(grads):
     if plan.kind(i)[0] == "z":

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from onebit_optax import _bounded
 from onebit_optax import _collective
 from onebit_optax import _layout
 from onebit_optax import _wire
@@ -81,16 +82,6 @@ class Result(NamedTuple):
   wire_bytes: jax.Array
 
 
-def adam_bound(b1, b2) -> jax.Array:
-  """Adam's per-coordinate step bound (Kingma & Ba 2015, Section 2.1)."""
-  b1, b2 = jnp.asarray(b1, F32), jnp.asarray(b2, F32)
-  return jnp.maximum(1.0, (1.0 - b1) / jnp.sqrt(1.0 - b2))
-
-
-def bias_correction(decay, count) -> jax.Array:
-  return 1.0 - jnp.asarray(decay, F32) ** count
-
-
 def mean_leaf(plan: Plan, gathered, i: int, shape):
   """Leaf ``i`` of the mean that the gathered messages hold (float32)."""
   kind = plan.kind(i)
@@ -134,15 +125,11 @@ def floors(hp: Hyper, plan: Plan, nu_l1, bc2) -> list:
 def direction(hp: Hyper, m, nu, bc1, bc2, floor, bounded, finite):
   r"""Adam's step :math:`\hat m/(\sqrt{\hat v}+\epsilon)`; ``bounded``: floored variance and Adam's clip.
 
-  A coordinate with :math:`v = 0` never had a gradient on a variance step: its
-  momentum is the compressor's sign noise, which :math:`1/\epsilon` would
-  amplify, so it stays put.
+  A coordinate with :math:`v = 0` never had a gradient on a variance step: it
+  stays put (see :func:`_bounded.bounded_step`).
   """
-  bound = adam_bound(hp.b1, hp.b2) if hp.max_update is None else hp.max_update
-  bound = jnp.where(bounded, jnp.asarray(bound, F32), jnp.inf)
-  v_hat = jnp.maximum(nu / bc2, jnp.where(bounded, floor, 0.0))
-  step = jnp.clip((m / bc1) / (jnp.sqrt(v_hat) + hp.eps), -bound, bound)
-  return jnp.where(finite & (nu > 0), step, 0.0)
+  return _bounded.bounded_step(m, nu, hp.b1, hp.b2, hp.eps, hp.max_update, bc1, bc2, floor,
+                               bounded=bounded, finite=finite, zero_without_variance=True)
 
 
 def _zeros_like(g):
@@ -261,7 +248,7 @@ def _sync_move(hp: Hyper, plan: Plan, i, avg, denominator, lr_sum, params):
   own step, before it, does not bound the mean's noise); the weight decay's
   share (:math:`-\lambda\theta\sum\eta`, the synced point's) is kept out of it.
   """
-  bound = adam_bound(hp.b1, hp.b2) if hp.max_update is None else hp.max_update
+  bound = _bounded.adam_update_bound(hp.b1, hp.b2) if hp.max_update is None else hp.max_update
   bound = jnp.asarray(bound, F32) * lr_sum
   decay = 0.0
   if params is not None and plan.decays(i):
@@ -331,7 +318,7 @@ def variance_decay(hp: Hyper, state, count) -> jax.Array:
 
 def v_correction(hp: Hyper, variance_updates, variance_step) -> jax.Array:
   """``v``'s bias correction after ``variance_updates`` variance steps, the last at ``variance_step``."""
-  return bias_correction(hp.b2, variance_step if hp.per_step_ema else variance_updates)
+  return _bounded.bias_correction(hp.b2, variance_step if hp.per_step_ema else variance_updates)
 
 
 def _new_nu(hp: Hyper, nus, mean, is_var, finite, decay) -> list:
@@ -432,7 +419,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   """
   is_var = sched.kind == VARIANCE
   g32 = [g.astype(F32) for g in grads]
-  bc1 = bias_correction(hp.b1, sched.count)
+  bc1 = _bounded.bias_correction(hp.b1, sched.count)
   bc2 = v_correction(hp, state.variance_updates, state.variance_step)  # v held: not a variance step
   outgoing = _outgoing(hp, plan, g32, state, sched, params, bc1, bc2)
   sent = [outgoing[i][None] for i in plan.layout.compressed]

@@ -39,6 +39,7 @@ NOTEBOOK = ROOT / "notebooks" / "onebit_adam_quickstart.ipynb"
 # from a module not listed here lands in a section named after its module.
 API_SECTIONS = (
     ("_onebit_adam", "The optimizer"),
+    ("_bounded", "The optimizer"),
     ("_zero_one_adam", "0/1 Adam"),
     ("_freeze", "Freeze policies"),
     ("_accessors", "Reading the state"),
