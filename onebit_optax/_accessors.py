@@ -19,6 +19,12 @@ def _find_state(opt_state, kinds=(ScaleByOnebitAdamState,)):
   """The one state of ``kinds`` inside ``opt_state``."""
   found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
            if isinstance(s, kinds)]
+  if not found and ScaleByZeroOneAdamState not in kinds and _zero_one_states(opt_state):
+    raise ValueError(
+        "This reads 1-bit Adam's freeze (is_frozen, freeze_step, variance_ratio); the state "
+        "is 0/1 Adam's, whose variance freezes at the var_freeze_step it was built with (the "
+        "state does not record it): read onebit_optax.status(opt_state, "
+        "var_freeze_step=...).frozen and .phase instead.")
   if len(found) != 1:
     names = " or ".join("1-bit Adam" if k is ScaleByOnebitAdamState else "0/1 Adam"
                         for k in kinds)
@@ -29,6 +35,12 @@ def _find_state(opt_state, kinds=(ScaleByOnebitAdamState,)):
         f"{len(found)}. Pass the state returned by {makers} "
         "(possibly wrapped by optax.chain, inject_hyperparams, masked, ...).")
   return found[0]
+
+
+def _zero_one_states(opt_state):
+  kind = ScaleByZeroOneAdamState
+  return [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kind))
+          if isinstance(s, kind)]
 
 
 # Fields that 1-bit Adam's and 0/1 Adam's states both have.
@@ -172,10 +184,13 @@ def moments(opt_state, params):
   :math:`\max(v_{T_0}/(1-\beta_2^{T_0}), \text{floor})` (see
   :func:`scale_by_onebit_adam`).
 
+  For a 0/1 Adam state they are its ``mu`` (with local steps: the momentum of
+  the last sync; each device's own is ``local_mu``) and ``nu``, raw.
+
   Args:
     opt_state: the optimizer state, or any optax state that contains exactly one
-      :class:`ScaleByOnebitAdamState`. A ``pmap`` state (leading device axis) is
-      read on its first device.
+      :class:`ScaleByOnebitAdamState` or :class:`ScaleByZeroOneAdamState`. A
+      ``pmap`` state (leading device axis) is read on its first device.
     params: the parameter tree (or anything with the same structure and shapes).
 
   Returns:
@@ -191,19 +206,17 @@ def moments(opt_state, params):
     >>> mu['w']
     Array([0.1, 0.2, 0.3], dtype=float32)
   """
-  state = _find_state(opt_state)
+  state = _find_state(opt_state, _EITHER)
   leaves = lambda tree: [jnp.asarray(_plain(x)) for x in jax.tree.leaves(tree)]
   mu, nu = leaves(state.mu), leaves(state.nu)
+  if isinstance(state, ScaleByZeroOneAdamState):  # tree-shaped in every kind of step
+    return _zero_one_moments(mu, nu, np.ndim(_plain(state.count)) == 1, params)
   message = jnp.asarray(_plain(state.momentum_message))
   frozen, scale = jnp.asarray(_plain(state.frozen)), jnp.asarray(_plain(state.worker_scale))
   if message.ndim == 3:  # pmap: one copy per device
     mu, nu, message, frozen, scale = ([x[0] for x in mu], [x[0] for x in nu], message[0],
                                       frozen[0], scale[0])
-  shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
-  if [tuple(x.shape) for x in nu] != shapes:
-    raise ValueError(
-        f"moments: the state's moments have shapes {[tuple(x.shape) for x in nu][:4]}..., "
-        f"params {shapes[:4]}...: pass the params the optimizer was initialised with.")
+  shapes = _check_shapes(nu, params)
   treedef = jax.tree.structure(params)
   mu, nu = [x.astype(jnp.float32) for x in mu], [x.astype(jnp.float32) for x in nu]
   if bool(frozen):
@@ -215,3 +228,22 @@ def moments(opt_state, params):
       offset = layout.exact_offsets[j]
       mu[i] = exact[offset:offset + layout.sizes[i]].reshape(shapes[i])
   return jax.tree.unflatten(treedef, mu), jax.tree.unflatten(treedef, nu)
+
+
+def _check_shapes(nu: list, params) -> list:
+  shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+  if [tuple(x.shape) for x in nu] != shapes:
+    raise ValueError(
+        f"moments: the state's moments have shapes {[tuple(x.shape) for x in nu][:4]}..., "
+        f"params {shapes[:4]}...: pass the params the optimizer was initialised with.")
+  return shapes
+
+
+def _zero_one_moments(mu: list, nu: list, stacked: bool, params):
+  """0/1 Adam's ``mu`` (with local steps: the last synced one) and ``nu``, as trees like ``params``."""
+  if stacked:  # pmap: one copy per device
+    mu, nu = [x[0] for x in mu], [x[0] for x in nu]
+  _check_shapes(nu, params)
+  treedef = jax.tree.structure(params)
+  return (jax.tree.unflatten(treedef, [x.astype(jnp.float32) for x in mu]),
+          jax.tree.unflatten(treedef, [x.astype(jnp.float32) for x in nu]))

@@ -126,3 +126,26 @@ def test_a_skipped_call_is_named_where_the_step_is():
   s = onebit_optax.status(state, var_freeze_step=10)
   assert (s.step, s.skipped_steps, s.phase) == (2, 1, "variance")
   assert str(s).startswith("step 2 (3 calls, 1 skipped, not counted): last step variance")
+
+
+def test_moments_of_a_zero_one_state_are_its_trees():
+  tx = onebit_optax.zero_one_adam(1e-2, axis_name=None, var_freeze_step=10)
+  params = {"w": jnp.ones(300), "b": jnp.ones(3)}
+  state = tx.init(params)
+  grads = {"w": jnp.linspace(-1.0, 1.0, 300), "b": jnp.full(3, 2.0)}
+  _, state = jax.jit(tx.update)(grads, state, params)
+  mu, nu = onebit_optax.moments(state, params)
+  # One variance step from zero: Adam's first moments, raw (no bias correction).
+  np.testing.assert_allclose(mu["w"], 0.1 * np.asarray(grads["w"]), rtol=1e-6)
+  np.testing.assert_allclose(nu["b"], (np.float32(1) - np.float32(0.999)) * 4.0 * np.ones(3),
+                             rtol=1e-6)
+  with pytest.raises(ValueError, match="pass the params the optimizer was initialised with"):
+    onebit_optax.moments(state, {"w": jnp.ones(301), "b": jnp.ones(3)})
+
+
+@pytest.mark.parametrize("accessor", ["is_frozen", "freeze_step", "variance_ratio"])
+def test_one_bit_freeze_accessors_point_a_zero_one_state_to_status(accessor):
+  tx = onebit_optax.zero_one_adam(1e-2, axis_name=None, var_freeze_step=10)
+  state = tx.init({"w": jnp.ones(3)})
+  with pytest.raises(ValueError, match=r"0/1 Adam's.*status\(opt_state, var_freeze_step=\.\.\.\)"):
+    getattr(onebit_optax, accessor)(state)
