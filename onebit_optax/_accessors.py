@@ -213,13 +213,16 @@ def moments(opt_state, params):
     return _zero_one_moments(mu, nu, np.ndim(_plain(state.count)) == 1, params)
   message = jnp.asarray(_plain(state.momentum_message))
   frozen, scale = jnp.asarray(_plain(state.frozen)), jnp.asarray(_plain(state.worker_scale))
+  # At the freeze step itself the message holds no momentum yet (it is in the error
+  # feedback, see _freeze_message): mu keeps it.
+  sent = jnp.asarray(_plain(state.count)) > jnp.asarray(_plain(state.freeze_step))
   if message.ndim == 3:  # pmap: one copy per device
-    mu, nu, message, frozen, scale = ([x[0] for x in mu], [x[0] for x in nu], message[0],
-                                      frozen[0], scale[0])
+    mu, nu, message, frozen, scale, sent = ([x[0] for x in mu], [x[0] for x in nu], message[0],
+                                            frozen[0], scale[0], sent[0])
   shapes = _check_shapes(nu, params)
   treedef = jax.tree.structure(params)
   mu, nu = [x.astype(jnp.float32) for x in mu], [x.astype(jnp.float32) for x in nu]
-  if bool(frozen):
+  if bool(frozen) and bool(sent):
     layout = _layout_of(params, message, scale.shape[-1])
     exact = _wire.message_exact(layout, message)
     for k, i in enumerate(layout.compressed):

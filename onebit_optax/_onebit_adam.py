@@ -34,8 +34,10 @@ class ScaleByOnebitAdamState(NamedTuple):
   :func:`optax.scale_by_adam`. After the freeze the mean momentum lives in
   ``momentum_message``, exactly as it went over the wire (packed signs and one
   scale per leaf piece, about 1/32 of the float32 bytes); ``mu`` keeps its
-  value at the freeze. :func:`onebit_optax.moments` shows the current moments
-  as trees in both phases.
+  value at the freeze (at the freeze step itself the message's compressed part
+  is zero and each device's ``local_momentum`` holds :math:`\beta_1 m` with
+  scale 0, all of it error feedback). :func:`onebit_optax.moments` shows the
+  current moments as trees in both phases.
 
   Per device (under ``shard_map`` their leading axis is the device axis: shard
   them with ``P(axis_name)``, see :func:`state_partition_specs`):
@@ -297,22 +299,30 @@ def _step_bytes(plan: _Plan, *, compressed: bool) -> float:
 
 
 def _freeze_message(hp: _Hyper, plan: _Plan, mu: list, local, gathered, scale):
-  """Stage 3: at the freeze, the momentum becomes a message :math:`C(m)` (one scale per leaf).
+  """Stage 3: at the freeze, the momentum moves into the error feedback; the message holds none of it.
 
-  ``local_momentum`` becomes :math:`\\beta_1 m` and its scale :math:`\\beta_1 s_m`,
-  so that the first compression step forms exactly :math:`\\beta_1 m + (1-\\beta_1) g`
-  (the error term restores what :math:`C` lost). Every device computes it
-  alike from the replicated ``mu``: no communication.
+  ``local_momentum`` becomes :math:`\beta_1 m` with scale 0, so its error
+  feedback is all of it, and the message's compressed part is zero (zero
+  bytes, zero scales; exact leaves carry :math:`m` as float32): the first
+  compression step forms :math:`0 + (1-\beta_1) g + \beta_1 m`, the momentum
+  exactly, with no per-leaf compression of :math:`m` here (it cost a quarter
+  of the step's compiled program). Every device computes it alike from the
+  replicated ``mu``: no communication. Hierarchical averaging keeps its worker
+  error in a flat buffer: there the message is :math:`C(m)` and the scales
+  :math:`\beta_1 s_m`.
   """
-  compressed = [mu[i].astype(F32) for i in plan.layout.compressed]
   exact = [jnp.ravel(mu[i]).astype(F32) for i in plan.layout.exact]
-  rows, scales = _rows(plan, compressed, jnp.concatenate(exact) if exact else jnp.zeros((0,), F32))
-  scales = _collective.vary((hp.b1 * scales)[None], plan.axes.device_axes)
+  exact = jnp.concatenate(exact) if exact else jnp.zeros((0,), F32)
+  compressed = [mu[i].astype(F32) for i in plan.layout.compressed]
   if local is None:
-    return rows, scales, None
+    rows, scales = _rows(plan, compressed, exact)
+    return rows, _collective.vary((hp.b1 * scales)[None], plan.axes.device_axes), None
+  zeros = jnp.zeros((len(compressed),), F32)
+  rows = _wire.rows(plan.layout, [jnp.zeros((plan.layout.bits.used // 8,), jnp.uint8)], zeros,
+                    exact)
   local = tuple(_collective.vary((hp.b1 * m)[None], plan.axes.device_axes).astype(u.dtype)
                 for m, u in zip(compressed, local))
-  return rows, scales, local
+  return rows, _collective.vary(zeros[None], plan.axes.device_axes), local
 
 
 def _leaf_update(m, nu, frozen, bc1, bc2, floor, finite, hp: _Hyper):

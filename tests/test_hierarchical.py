@@ -61,12 +61,21 @@ class _HierarchicalSimulation(flat_sim._Simulation):
     assert self.compressed == NAMES and self.bits.padded == PADDED
     self.worker_error = np.zeros((N, PADDED // LOCAL), F32)
 
+  def _freeze(self):
+    """Hierarchical: the message is C(m) (one RMS scale per leaf); the worker errors start at 0."""
+    scales = {k: flat_sim._rms(self.mu[k], self.mu[k].size) for k in self.compressed}
+    for k in self.compressed:
+      self.margin.note(self.mu[k], scales[k])
+    self.message = self._rows(self.mu, scales, self.mu)
+    self.feedback, self.just_froze = True, True
+
   def _step_bytes(self, *, compressed):
     if compressed:
       return 2.0 * (NODES - 1) * self.row_bytes
     return onebit_optax.allreduce_wire_bytes(PADDED // LOCAL, NODES)
 
   def _compress_and_average(self, grads):
+    self.just_froze = False
     b1, c1, bits = F32(self.b1), F32(1 - self.b1), self.bits
     mean = self.decode(self.message)
     x = [flat_sim._flatten({k: b1 * mean[k] + c1 * grads[i][k] for k in NAMES}, bits, NAMES)

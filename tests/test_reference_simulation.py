@@ -258,6 +258,7 @@ class _Simulation:
     self.server_error = np.zeros((N, self.bits.chunk), F32)
     self.message = None  # (signs (N, chunk) bool, scales (N, S), exact floats (N, exact_chunk))
     self.frozen, self.freeze_step, self.t = False, 0, 0
+    self.just_froze = False
     self.wire_bytes = 0.0
     self.margin = _Margin()
 
@@ -291,7 +292,8 @@ class _Simulation:
     return out
 
   def momentum(self):
-    return self.decode(self.message) if self.frozen else self.mu
+    """Adam's m in warmup and at the freeze step (the message holds none of it yet), then the message."""
+    return self.decode(self.message) if self.frozen and not self.just_froze else self.mu
 
   def _step_bytes(self, *, compressed):
     """Bytes a device sends: 2 (n-1) messages, or a ring all-reduce of the real elements."""
@@ -300,17 +302,23 @@ class _Simulation:
   # The phases.
 
   def _freeze(self):
+    """The momentum moves into every device's error feedback: u = b1 m with scale 0.
+
+    The message's compressed part is zero (all-zero bytes: bit 0, and zero
+    scales); exact leaves carry m. The first compression step then sends
+    0 + (1 - b1) g + b1 m.
+    """
     b1 = F32(self.b1)
-    scales = {k: _rms(self.mu[k], self.mu[k].size) for k in self.compressed}
-    for k in self.compressed:
-      self.margin.note(self.mu[k], scales[k])
-    self.message = self._rows(self.mu, scales, self.mu)
+    negative = {k: np.full(SHAPES[k], -1.0, F32) for k in self.compressed}  # bit 0
+    self.message = self._rows(negative, {k: F32(0) for k in self.compressed}, self.mu)
     for i in range(N):
       self.u[i] = {k: (b1 * self.mu[k]).astype(F32) for k in self.compressed}
-      self.scale[i] = {k: np.full(SHAPES[k], b1 * scales[k], F32) for k in self.compressed}
+      self.scale[i] = {k: np.zeros(SHAPES[k], F32) for k in self.compressed}
     self.feedback = self.variant != "no_freeze_feedback"
+    self.just_froze = True
 
   def _compress_and_average(self, grads):
+    self.just_froze = False
     b1, c1, bits = F32(self.b1), F32(1 - self.b1), self.bits
     mean = self.decode(self.message)
     rows = []
