@@ -135,12 +135,12 @@ def _sharded_step(tx, mesh, specs):
   return step
 
 
-def _train_onebit(params, x, y, batches, lr, freeze, mesh, opt_state=None, tx=None):
+def _train_onebit(params, x, y, batches, lr, freeze, mesh, opt_state=None, tx=None, step=None):
   tx = tx or onebit_optax.onebit_adam(lr, axis_name="data", freeze=freeze)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   if opt_state is None:
     opt_state = onebit_optax.init_sharded(tx, params, mesh)
-  step = _sharded_step(tx, mesh, onebit_optax.state_partition_specs(opt_state, "data"))
+  step = step or _sharded_step(tx, mesh, onebit_optax.state_partition_specs(opt_state, "data"))
   data = NamedSharding(mesh, P("data"))
   losses = []
   for idx in batches:
@@ -163,6 +163,25 @@ def digits_setup():
   return x, y, params0, batches, adam
 
 
+@pytest.fixture(scope="module")
+def onebit_freeze_60(digits_setup):
+  """1-bit Adam on 8 devices, freezing after step 60: (after 150 steps, after 300 steps).
+
+  Each a (params, opt_state, losses) triple; the 300-step run is the 150-step one
+  continued with the same compiled step (nothing donated), i.e. one uninterrupted run.
+  """
+  x, y, params0, batches, _ = digits_setup
+  mesh = jax.make_mesh((N,), ("data",))
+  tx = onebit_optax.onebit_adam(3e-3, axis_name="data", freeze=60)
+  params = jax.device_put(params0, NamedSharding(mesh, P()))
+  state = onebit_optax.init_sharded(tx, params, mesh)
+  step = _sharded_step(tx, mesh, onebit_optax.state_partition_specs(state, "data"))
+  half = _train_onebit(params, x, y, batches[:150], 3e-3, 60, mesh, state, tx, step)
+  params, state, losses = _train_onebit(half[0], x, y, batches[150:], 3e-3, 60, mesh, half[1],
+                                        tx, step)
+  return half, (params, state, np.concatenate([half[2], losses]))
+
+
 def _assert_within_adam(params, params0, adam, factor):
   onebit_moves, adam_moves = _moves(params, params0), _moves(adam, params0)
   for (path, m1), m0 in zip(jax.tree_util.tree_leaves_with_path(onebit_moves),
@@ -177,11 +196,11 @@ def _assert_within_adam(params, params0, adam, factor):
   return rows_1, rows_0
 
 
-def test_digits_mlp_rows_and_leaves_move_like_adam(digits_setup):
+def test_digits_mlp_rows_and_leaves_move_like_adam(digits_setup, onebit_freeze_60):
   x, y, params0, batches, adam = digits_setup
   rare = np.flatnonzero((x > 0).mean(axis=0) < 0.03)
-  mesh = jax.make_mesh((N,), ("data",))
-  params, state, losses = _train_onebit(params0, x, y, batches, 3e-3, 60, mesh)
+  params, state, losses = onebit_freeze_60[1]
+  assert len(losses) == len(batches) == 300
   assert int(onebit_optax.freeze_step(state)) == 60
   rows_1, rows_0 = _assert_within_adam(params, params0, adam, factor=3.0)
   print(f"\n[digits MLP] rare pixels {rare.tolist()}: max row move 1-bit "
@@ -199,10 +218,10 @@ def test_digits_mlp_early_freeze_does_not_diverge(digits_setup):
   _assert_within_adam(params, params0, adam, factor=3.0)
 
 
-def test_digits_mlp_restore_onto_4_devices_continues_sanely(digits_setup, tmp_path):
+def test_digits_mlp_restore_onto_4_devices_continues_sanely(digits_setup, onebit_freeze_60,
+                                                           tmp_path):
   x, y, params0, batches, adam = digits_setup
-  mesh8 = jax.make_mesh((N,), ("data",))
-  params, state, _ = _train_onebit(params0, x, y, batches[:150], 3e-3, 60, mesh8)
+  (params, state, _), (_, _, uninterrupted) = onebit_freeze_60  # after 150 and 300 steps
   onebit_optax.save_checkpoint(str(tmp_path), 150, params, state)
   mesh4 = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
   tx = onebit_optax.onebit_adam(3e-3, axis_name="data", freeze=60)
@@ -212,8 +231,8 @@ def test_digits_mlp_restore_onto_4_devices_continues_sanely(digits_setup, tmp_pa
   assert step == 150 and bool(onebit_optax.is_frozen(state4))
   params4, _, losses4 = _train_onebit(params4, x, y, batches[150:], 3e-3, 60, mesh4,
                                       opt_state=state4, tx=tx)
-  _, _, losses8 = _train_onebit(params, x, y, batches[150:], 3e-3, 60, mesh8,
-                                opt_state=state)
+  losses8 = uninterrupted[150:]  # the same 150 batches on 8 devices, without the restore
+  assert len(losses8) == len(losses4) == 150
   print(f"\n[8 -> 4 restore] final loss {losses4[-1]:.4f} vs uninterrupted {losses8[-1]:.4f}")
   assert np.all(np.isfinite(losses4))
   assert losses4[-1] < 1.5 * losses8[-1] + 0.05

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import _xla
 import _flat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +20,7 @@ UNITS = {"kB": 1e3, "MB": 1e6, "GB": 1e9}
 def _run_demo(*args):
   # A subprocess, because the demo fixes the device count before importing jax
   # (and a fresh process is what `python3 dev.py demo` runs).
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+  env = dict(os.environ, XLA_FLAGS=_xla.flags(DEVICES),
              JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, str(ROOT / "examples" / "demo.py"), "--devices", str(DEVICES), *args],

@@ -59,6 +59,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 import onebit_docs  # noqa: E402  pylint: disable=wrong-import-position
+import _xla  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def _autosummary_entries(page: str) -> list[str]:
@@ -153,7 +154,7 @@ def test_getting_started_code_runs():
   # The page's code blocks, in order, as one script on 8 simulated devices.
   page = (ROOT / "docs" / "getting_started.md").read_text()
   script = "\n\n".join(re.findall(r"```python\n(.*?)```", page, flags=re.S))
-  env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  env = {**__import__("os").environ, "XLA_FLAGS": _xla.flags(8)}
   out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=300, check=False)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -17,6 +17,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _xla  # pylint: disable=g-import-not-at-top,wrong-import-position
 import mp_train_script  # pylint: disable=g-import-not-at-top,wrong-import-position  (its data)
 ROOT = os.path.dirname(HERE)
 TRAIN_SCRIPT = os.path.join(HERE, "mp_train_script.py")
@@ -80,7 +81,7 @@ def test_training_is_identical_across_processes_and_to_one_process(nproc, tmp_pa
   # Reference: one plain process (no jax.distributed) with nproc simulated
   # devices, run at the same time as the real processes to save wall time.
   ref = _start([sys.executable, TRAIN_SCRIPT, "--no-distributed", "--out", str(single)],
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={nproc}")
+               XLA_FLAGS=_xla.flags(nproc))
   proc = _run(LAUNCH + ["--nproc", str(nproc), "--devices-per-process", "1",
                         "--timeout", str(TIMEOUT - 30), TRAIN_SCRIPT, "--out", str(multi)])
   ref_out, ref_err = _finish(ref)
