@@ -2,7 +2,8 @@
 """One entry point that works on a fresh machine with only Python >= 3.11.
 
     python3 dev.py demo [ARGS...]   # the main job: Adam vs 1-bit Adam on 8 simulated CPU devices
-    python3 dev.py test [ARGS...]   # the test suite (pytest; extra ARGS are passed on)
+    python3 dev.py test [ARGS...]   # the test suite (pytest; extra ARGS are passed on;
+                                    # -m '' adds the few tests marked slow, as CI does)
     python3 dev.py docs [ARGS...]   # the docs site into docs/_build/html (warnings are errors)
     python3 dev.py env              # only create/refresh the virtual environment
 

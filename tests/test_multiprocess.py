@@ -73,7 +73,9 @@ def _load(out_dir, name, pid):
     return {k: f[k] for k in f.files}
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+# 4 processes: the 2-process run's checks on more ranks, outside the default suite (slow:
+# .ci/run runs it, and `python3 dev.py test -m ''` does).
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_training_is_identical_across_processes_and_to_one_process(nproc, tmp_path):
   multi, single = tmp_path / "multi", tmp_path / "single"
   multi.mkdir()

@@ -97,6 +97,7 @@ def test_committed_notebook_is_stripped_and_up_to_date():
       "notebooks/onebit_adam_quickstart.ipynb is stale: run python notebooks/_build_notebook.py")
 
 
+@pytest.mark.slow  # runs the notebook (600 steps); .ci/run runs it, `-m ''` too
 def test_no_cell_errored_and_the_kernel_is_this_python(executed):
   for cell in executed.cells:
     for out in cell.get("outputs", []):
@@ -107,12 +108,14 @@ def test_no_cell_errored_and_the_kernel_is_this_python(executed):
   assert f"{DEVICES} cpu devices" in text
 
 
+@pytest.mark.slow
 def test_the_figure_is_drawn(executed):
   images = [out for cell in executed.cells for out in cell.get("outputs", [])
             if "image/png" in out.get("data", {})]
   assert len(images) == 1
 
 
+@pytest.mark.slow
 def test_freeze_happens_inside_the_run_after_the_lr_warmup(executed):
   text = _text(executed)
   freeze = int(_number(r"froze the variance after step (\d+)", text))
@@ -121,6 +124,7 @@ def test_freeze_happens_inside_the_run_after_the_lr_warmup(executed):
   assert 0.96 <= ratio <= 1 / 0.96
 
 
+@pytest.mark.slow
 def test_bytes_match_the_ring_and_two_phase_formulas(executed):
   text = _text(executed)
   d = int(_number(r"([\d,]+) parameters", text))
@@ -146,6 +150,7 @@ def test_bytes_match_the_ring_and_two_phase_formulas(executed):
       freeze * warmup + (STEPS - freeze) * onebit, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_onebit_adam_trains_as_well_as_adam(executed):
   text = _text(executed)
   adam = _number(r"validation loss: Adam ([\d.]+)", text)
@@ -155,6 +160,7 @@ def test_onebit_adam_trains_as_well_as_adam(executed):
   assert abs(onebit - adam) < 0.05 * adam, (adam, onebit)
 
 
+@pytest.mark.slow
 def test_the_recipe_cell_runs_and_freezes(executed):
   text = _text(executed)
   assert "frozen=True after step 20" in text
