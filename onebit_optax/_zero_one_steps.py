@@ -302,11 +302,13 @@ def _collectives(hp: Hyper, plan: Plan, state, sched: Schedule, g32, sent, exact
   def silent(g32, sent, exact, server):
     return no_total(), no_message, no_scales, state.server_error, jnp.bool_(True)
 
-  if hp.local_steps is None:
-    local = onebit
-  else:
-    local = lambda *ops: jax.lax.cond(sched.sync, onebit, silent, *ops)
-  return jax.lax.switch(sched.kind, [variance, onebit, local], g32, sent, exact, server)
+  # One branch per kind of communication, so the 1-bit exchange (a compressed step or a
+  # sync) is traced once: a copy per kind of step doubled its per-leaf code in the program.
+  # (Without local steps every step after the freeze is a sync: no silent branch.)
+  sends_onebit = (sched.kind == COMPRESSED) | ((sched.kind == LOCAL) & sched.sync)
+  branch = jnp.where(sched.kind == VARIANCE, 0, jnp.where(sends_onebit, 1, 2))
+  branches = [variance, onebit] + ([] if hp.local_steps is None else [silent])
+  return jax.lax.switch(branch, branches, g32, sent, exact, server)
 
 
 def variance_decay(hp: Hyper, state, count) -> jax.Array:
