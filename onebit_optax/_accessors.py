@@ -8,6 +8,7 @@ import numpy as np
 
 from onebit_optax import _layout
 from onebit_optax import _wire
+from onebit_optax import _zero_one_sharding
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 
@@ -19,7 +20,7 @@ def _find_state(opt_state, kinds=(ScaleByOnebitAdamState,)):
   """The one state of ``kinds`` inside ``opt_state``."""
   found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
            if isinstance(s, kinds)]
-  if not found and ScaleByZeroOneAdamState not in kinds and _zero_one_states(opt_state):
+  if not found and ScaleByZeroOneAdamState not in kinds and _zero_one_sharding.find(opt_state):
     raise ValueError(
         "This reads 1-bit Adam's freeze (is_frozen, freeze_step, variance_ratio); the state "
         "is 0/1 Adam's, whose variance freezes at the var_freeze_step it was built with (the "
@@ -35,12 +36,6 @@ def _find_state(opt_state, kinds=(ScaleByOnebitAdamState,)):
         f"{len(found)}. Pass the state returned by {makers} "
         "(possibly wrapped by optax.chain, inject_hyperparams, masked, ...).")
   return found[0]
-
-
-def _zero_one_states(opt_state):
-  kind = ScaleByZeroOneAdamState
-  return [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kind))
-          if isinstance(s, kind)]
 
 
 # Fields that 1-bit Adam's and 0/1 Adam's states both have.
