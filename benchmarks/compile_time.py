@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/compile_time.py --leaves 300 --repeats 3
 
 On 8 simulated host devices (``--xla_force_host_platform_device_count=8``), for
-trees of 300 and 1000 leaves of 1000 float32 elements, the train step
+trees of 300 and 1000 leaves of about 1000 float32 elements in 20 distinct shapes
+(vectors and matrices, leaf ``i`` of shape ``SHAPES[i % 20]``), the train step
 
     @jax.jit(donate_argnums=(0, 1)) over jax.shard_map(mesh of 8, axis 'data'):
       grads = onebit_optax.local_params(grads, 'data')   # [adam: then jax.lax.pmean]
@@ -47,7 +48,8 @@ import onebit_optax  # noqa: E402
 import _provenance  # noqa: E402  (benchmarks/, the script's directory)
 
 AXIS = "data"
-LEAF = 1000
+# 20 distinct shapes of about 1000 elements: a program built per shape has 20 groups.
+SHAPES = [(1000 + 37 * k,) if k % 2 else (20 + k, 50) for k in range(20)]
 GOAL = 1.5
 RESULTS = Path(__file__).parent / "results"
 
@@ -63,7 +65,8 @@ def _parse_args(argv):
 
 
 def _tree(leaves: int):
-  return {f"w{i:04d}": jax.ShapeDtypeStruct((LEAF,), jnp.float32) for i in range(leaves)}
+  return {f"w{i:04d}": jax.ShapeDtypeStruct(SHAPES[i % len(SHAPES)], jnp.float32)
+          for i in range(leaves)}
 
 
 def _step(tx, mesh, state_specs, onebit: bool):
@@ -165,8 +168,9 @@ def _write(args, runs_meta, rows):
       "",
       f"Seconds to trace (`jit(...).trace`, including building the abstract state), lower and "
       f"compile the `jax.jit(jax.shard_map(step), donate_argnums=(0, 1))` train step on "
-      f"{DEVICES} simulated host devices, from abstract arguments; leaves of {LEAF} float32 "
-      f"elements. 1-bit Adam: `onebit_adam(axis_name='data')`, one program for both phases; "
+      f"{DEVICES} simulated host devices, from abstract arguments; leaves of about 1000 float32 "
+      f"elements in {len(SHAPES)} distinct shapes. 1-bit Adam: "
+      f"`onebit_adam(axis_name='data')`, one program for both phases; "
       f"0/1 Adam: `zero_one_adam(axis_name='data', var_freeze_step=100)`, one program for every "
       f"kind of step; both on local gradients (`local_params`); Adam: `optax.adam` on "
       f"`jax.lax.pmean` of them. Median of the repeats, a fresh function each time, contestants "

@@ -26,11 +26,12 @@ __all__ = ["save_checkpoint", "restore_checkpoint", "abstract_state"]
 _PARAMS = "params"
 _OPT_STATE = "opt_state"
 _META = "onebit_optax"
-# The layout of the 1-bit Adam state the record describes. 3: tree-shaped
-# moments, per-device local_momentum / worker_scale, the uint8 momentum_message
-# (onebit-optax core v3). Checkpoints without it (format 1: flat padded mu/nu)
-# are refused.
-_VERSION = 3
+# The layout of the 1-bit Adam state the record describes. 4: tree-shaped
+# moments, per-device local_momentum stacked per group of leaves of one shape,
+# worker_scale and the uint8 momentum_message in the groups' order (core v4).
+# 3 (core v3: one local_momentum per leaf, the stream in tree order) and 1
+# (flat padded mu/nu) are refused.
+_VERSION = 4
 _FORMAT = f"onebit_optax.checkpoint/{_VERSION}"
 _MAX_DIFFS = 8  # differences listed in a mismatch error
 # The fields whose shapes depend on the device count and the mesh layout: the
@@ -198,7 +199,8 @@ def _layout(opt_state) -> dict:
                                    scale[1])
     ok = (layout.row_bytes == message[1] and len(layout.compressed) == scale[1]
           and (local is None or [tuple(np.shape(u)) for u in local]
-               == [(n * shards,) + local_nu[i] for i in layout.compressed]))
+               == [(n * shards, len(span)) + tuple(layout.group_shape(g))
+                   for g, span in enumerate(layout.groups)]))
   if not ok:
     shapes = {name: (None if getattr(state, name) is None
                      else jax.tree.map(np.shape, getattr(state, name)))
@@ -302,7 +304,7 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
     >>> target = onebit_optax.abstract_state(tx, {'w': jnp.ones(300)}, mesh)
     >>> target[0].local_momentum[0].shape, target[0].local_momentum[0].sharding.spec
-    ((2, 300), P('data', None))
+    ((2, 1, 300), P('data', None, None))
     >>> target[0].momentum_message.shape, target[0].worker_error
     ((2, 40), None)
 
@@ -397,7 +399,7 @@ def save_checkpoint(directory_or_manager, step: int, params, opt_state, *, tx=No
     ...   params, state, step = onebit_optax.restore_checkpoint(directory, tx, params, mesh)
     True
     >>> step, state[0].local_momentum[0].shape, state[0].server_error.shape
-    (7, (2, 300), (2, 256))
+    (7, (2, 1, 300), (2, 256))
 
   References:
     `Orbax checkpointing <https://orbax.readthedocs.io/en/latest/>`_;
@@ -456,6 +458,14 @@ def _check_version(where: str, metadata: dict) -> None:
     raise ValueError(
         f"restore_checkpoint: {where} has no onebit_optax record (item {_META!r} holds no "
         "'onebit_format'); it was not written by onebit_optax.save_checkpoint.")
+  if version == 3:
+    raise ValueError(
+        f"restore_checkpoint: {where} was written by onebit-optax core v3 (checkpoint format "
+        "3): its per-device buffers hold one array per leaf and its momentum message lays "
+        "the leaves out in tree order, where this version stacks the leaves of one shape "
+        "(format 4). No conversion is offered: finish the run with the version that wrote "
+        "it, or restore its 'params' item with Orbax and start the optimizer afresh with "
+        "init_sharded (the run warms up again).")
   if version is None or (isinstance(version, int) and version < _VERSION):
     raise ValueError(
         f"restore_checkpoint: {where} was written by an older onebit-optax (checkpoint "

@@ -64,11 +64,11 @@ def mean_worker_error(state, side: Mesh, shapes: list) -> list:
     stream = jnp.where(valid, jnp.mean(rows, axis=0).reshape(-1), 0.0)
     return _leaves(stream, side.wire.bits, shapes)
   out = []
-  for k, u in enumerate(state.local_momentum):
+  for span, u in zip(side.wire.groups, state.local_momentum):  # u: (devices, leaves, *shape)
     u = u.astype(F32)
-    scale = state.worker_scale[:, k].reshape((-1,) + (1,) * (u.ndim - 1))
+    scale = state.worker_scale[:, span.start:span.stop].reshape(u.shape[:2] + (1,) * (u.ndim - 2))
     error = jnp.where(valid, u - jnp.where(u >= 0, scale, -scale), 0.0)
-    out.append(jnp.mean(error, axis=0))
+    out.extend(jnp.mean(error, axis=0))
   return out
 
 
@@ -156,5 +156,6 @@ def carry(state, old: Mesh, new: Mesh, shapes: list, new_message, b1, dtype) -> 
     slices = new.wire.bits.flatten(leaves).reshape(new.fast, -1)
     worker_error = jnp.broadcast_to(slices[None], (new.slow,) + slices.shape)
     return Carried(None, scale, worker_error.reshape(n, -1).astype(dtype), new_server)
-  local = tuple(jnp.broadcast_to(e[None], (n,) + e.shape).astype(dtype) for e in leaves)
+  groups = [jnp.stack([leaves[k] for k in span]) for span in new.wire.groups]
+  local = tuple(jnp.broadcast_to(e[None], (n,) + e.shape).astype(dtype) for e in groups)
   return Carried(local, scale, None, new_server)

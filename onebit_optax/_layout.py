@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BLOCK", "EXACT_BELOW", "FlatLayout", "WireLayout", "layout_for", "cached_layout",
+__all__ = ["BLOCK", "EXACT_BELOW", "GROUP_LEAVES", "FlatLayout", "WireLayout", "layout_for", "cached_layout",
            "wire_layout_for"]
 
 # Elements per block. Every leaf starts on a block boundary (it is zero-padded to a
@@ -173,6 +173,12 @@ def layout_for(tree, num_devices: int, block: int = BLOCK) -> FlatLayout:
 # uint8 messages and are averaged exactly (1 bit cannot carry a two-element
 # leaf or a scalar gate). Chosen from benchmarks/wire_overhead.py: see there.
 EXACT_BELOW = 64
+# The most leaves stacked into one group. Stacking copies the gradients into the group;
+# XLA:CPU fuses a concatenate of at most 8 operands into the elementwise pass that
+# consumes it, and stores a larger one as a full-size temporary (measured, jax 0.10:
+# 0 and 1 D of temporaries for 8 and 9 leaves): buckets of 8 keep the copy fused, and
+# the program still grows with leaves / 8 per shape, not with leaves.
+GROUP_LEAVES = 8
 _SCALE_BYTES = 4
 
 
@@ -209,8 +215,43 @@ class WireLayout:
 
   @functools.cached_property
   def compressed(self) -> tuple:
-    """Indices (in ``jax.tree.leaves`` order) of the leaves sent as signs."""
-    return tuple(i for i, s in enumerate(self.sizes) if s >= max(self.exact_below, 1))
+    """Indices (in ``jax.tree.leaves`` order) of the leaves sent as signs, group after group.
+
+    A **group** is every compressed leaf of one shape; groups come in the
+    order of their first leaf, and a group's leaves in tree order. The state
+    and the step treat a group as one stacked array, so that the compiled
+    program grows with the number of distinct shapes, not of leaves; its bits
+    are one contiguous run of the stream. (With all shapes distinct this is
+    tree order.)
+    """
+    by_shape = {}
+    for i, s in enumerate(self.sizes):
+      if s >= max(self.exact_below, 1):
+        by_shape.setdefault(self.shapes[i], []).append(i)
+    return tuple(i for leaves in by_shape.values() for i in leaves)
+
+  @functools.cached_property
+  def groups(self) -> tuple:
+    """Per group: the ``range`` of its leaves' positions in :attr:`compressed`.
+
+    A run of leaves of one shape is cut into groups of at most
+    :data:`GROUP_LEAVES` leaves.
+    """
+    out, start, shapes = [], 0, [self.shapes[i] for i in self.compressed]
+    for k in range(1, len(shapes) + 1):
+      if k == len(shapes) or shapes[k] != shapes[start] or k - start == GROUP_LEAVES:
+        out.append(range(start, k))
+        start = k
+    return tuple(out)
+
+  def group_shape(self, g: int) -> tuple:
+    """The shape of every leaf of group ``g``."""
+    return self.shapes[self.compressed[self.groups[g].start]]
+
+  @functools.cached_property
+  def group_of(self) -> tuple:
+    """Per position ``k`` in :attr:`compressed`: ``(group, index in the group)``."""
+    return tuple((g, k - r.start) for g, r in enumerate(self.groups) for k in r)
 
   @functools.cached_property
   def exact(self) -> tuple:
@@ -271,6 +312,11 @@ class WireLayout:
     out = np.full(self.num_devices * self.segments, len(self.compressed), np.int32)
     out[tables.wire_segment] = tables.leaf_of_block
     return out
+
+  @functools.cached_property
+  def group_block_scale_index(self) -> tuple:
+    """Per group: (leaves, blocks) int32 wire segment of each block of each of its leaves."""
+    return tuple(np.stack([self.block_scale_index[k] for k in r]) for r in self.groups)
 
   @functools.cached_property
   def block_scale_index(self) -> tuple:

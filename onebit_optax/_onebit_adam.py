@@ -14,6 +14,7 @@ from onebit_optax import _bounded
 from onebit_optax import _collective
 from onebit_optax import _config
 from onebit_optax import _freeze
+from onebit_optax import _groups
 from onebit_optax import _guards
 from onebit_optax import _layout
 from onebit_optax import _wire
@@ -51,7 +52,7 @@ class ScaleByOnebitAdamState(NamedTuple):
     >>> import jax.numpy as jnp, onebit_optax
     >>> state = onebit_optax.scale_by_onebit_adam(axis_name=None).init({'w': jnp.ones(300)})
     >>> state.mu['w'].shape, state.local_momentum[0].shape, state.momentum_message.shape
-    ((300,), (1, 300), (1, 52))
+    ((300,), (1, 1, 300), (1, 52))
 
   References:
     Tang et al., `1-bit Adam <https://arxiv.org/abs/2102.02888>`_, ICML 2021, Algorithm 1.
@@ -61,8 +62,8 @@ class ScaleByOnebitAdamState(NamedTuple):
   mu: Any  # tree like params, dtype=moment_dtype: Adam's first moment (replicated); its freeze value afterwards.
   nu: Any  # tree like params, dtype=moment_dtype: second moment, raw (no bias correction); frozen after the switch.
   nu_l1: jax.Array  # shape=(num_leaves,), dtype=float32: sum of nu over each leaf at the last check (freeze rule, floor).
-  local_momentum: Any  # tuple, per compressed leaf: shape=(1, *leaf shape), dtype=error_dtype, per device; None when hierarchical.
-  worker_scale: jax.Array  # shape=(1, compressed leaves), dtype=float32, per device: the scale of each leaf of local_momentum.
+  local_momentum: Any  # tuple, per group of compressed leaves of one shape: shape=(1, leaves, *shape), dtype=error_dtype, per device; None when hierarchical.
+  worker_scale: jax.Array  # shape=(1, compressed leaves), dtype=float32, per device: the scale of each leaf of local_momentum, group after group.
   feedback_valid: jax.Array  # shape=(), dtype=bool: the error feedback of local_momentum applies (False after a skipped step).
   worker_error: Any  # hierarchical: shape=(1, padded // fast), dtype=error_dtype, per device; else None.
   server_error: Any  # shape=(1, chunk), dtype=error_dtype, per device; None on one device.
@@ -135,6 +136,11 @@ def _old_mean(plan: _Plan, gathered, i: int, shape):
   return _wire.message_exact(plan.layout, gathered)[offset:offset + size].reshape(shape)
 
 
+def _group_scale(scales, span, shape):
+  """The scales of a group's leaves, ``(leaves, 1, ...)``: broadcastable against the group."""
+  return scales[span.start:span.stop].reshape((len(span),) + (1,) * len(shape))
+
+
 def _sent(hp: _Hyper, local, g, mean, scale, feedback):
   r"""What a device compresses: :math:`u = \beta_1 m + (1-\beta_1) g + e`, :math:`e = u' - s\,\mathrm{sign}(u')`.
 
@@ -148,7 +154,7 @@ def _sent(hp: _Hyper, local, g, mean, scale, feedback):
   return hp.b1 * mean + (1.0 - hp.b1) * g.astype(F32) + error
 
 
-def _write_sent(hp: _Hyper, plan: _Plan, grads, state):
+def _write_sent(hp: _Hyper, plan: _Plan, grads: list, state):
   """Stage 1, compression only: ``u`` of every compressed leaf, written over ``local_momentum``.
 
   ``u`` is stored before the exchange so that its scale and signs are read off
@@ -158,39 +164,44 @@ def _write_sent(hp: _Hyper, plan: _Plan, grads, state):
   """
   if state.local_momentum is None:
     return None
-  compressed = plan.layout.compressed
+  layout = plan.layout
 
-  def sent(local, g):
-    return tuple(
-        _sent(hp, u, g_k, _old_mean(plan, state.momentum_message, i, jnp.shape(g_k)),
-              state.worker_scale[0, k], state.feedback_valid).astype(u.dtype)
-        for k, (i, u, g_k) in enumerate(zip(compressed, local, g)))
+  def sent(local, grads):
+    out = []  # (the gradients are stacked here, inside the branch: fused into u's writes)
+    stacks = _groups.group(layout, grads).stacks
+    for g, (span, u, g_stack) in enumerate(zip(layout.groups, local, stacks)):
+      # (in u's own shape, (1, leaves, *shape): XLA writes it in place, a reshape of it not)
+      new = _sent(hp, u, g_stack[None], _wire.message_group(layout, state.momentum_message, g)[None],
+                  _group_scale(state.worker_scale[0], span, layout.group_shape(g))[None],
+                  state.feedback_valid)
+      out.append(new.astype(u.dtype))
+    return tuple(out)
 
-  return jax.lax.cond(state.frozen, sent, lambda local, g: local, state.local_momentum,
-                      [grads[i] for i in compressed])
+  return jax.lax.cond(state.frozen, sent, lambda local, grads: local, state.local_momentum,
+                      grads)
 
 
 def _rows(plan: _Plan, sent, exact):
-  """The phase-1 rows of ``sent`` (compressed leaves) and ``exact``, and the leaves' scales."""
-  scales = jnp.stack([_wire.leaf_rms(u.astype(F32)) for u in sent]) if sent else jnp.zeros((0,), F32)
-  return _wire.rows(plan.layout, [_wire.leaf_signs(u) for u in sent], scales, exact), scales
+  """The phase-1 rows of ``sent`` (per group, ``(leaves, *shape)``) and ``exact``, and the leaves' scales."""
+  scales = (jnp.concatenate([_wire.group_rms(u.astype(F32)) for u in sent]) if sent
+            else jnp.zeros((0,), F32))
+  return _wire.rows(plan.layout, [_wire.group_signs(u) for u in sent], scales, exact), scales
 
 
-def _exact_momenta(hp: _Hyper, plan: _Plan, grads, state):
+def _exact_momenta(hp: _Hyper, plan: _Plan, grads: list, state):
   """The exact leaves' momenta :math:`\\beta_1 m + (1-\\beta_1) g`, concatenated (float32)."""
-  exact = [jnp.ravel(hp.b1 * _old_mean(plan, state.momentum_message, i, jnp.shape(grads[i]))
-                     + (1.0 - hp.b1) * grads[i].astype(F32)) for i in plan.layout.exact]
-  return jnp.concatenate(exact) if exact else jnp.zeros((0,), F32)
+  old = _wire.message_exact(plan.layout, state.momentum_message)
+  return hp.b1 * old + (1.0 - hp.b1) * _groups.group(plan.layout, grads).exact
 
 
-def _compression(hp: _Hyper, plan: _Plan, grads, local, state) -> _Exchange:
+def _compression(hp: _Hyper, plan: _Plan, grads: list, local, state) -> _Exchange:
   """The compression phase's communication: the 1-bit exchange of the momenta."""
   axes = plan.axes
   if axes.hierarchical:
     gathered, worker_error, server_error, finite = _hierarchical_exchange(hp, plan, grads, state)
     scales = state.worker_scale
   else:
-    rows, scales = _rows(plan, local, _exact_momenta(hp, plan, grads, state))
+    rows, scales = _rows(plan, [u[0] for u in local], _exact_momenta(hp, plan, grads, state))
     gathered, server_error, finite = _collective.onebit_exchange(
         rows, state.server_error, plan.layout, axes, keep_if_nonfinite=hp.skip_nonfinite)
     scales, worker_error = _collective.vary(scales[None], axes.device_axes), state.worker_error
@@ -207,10 +218,11 @@ def _no_exchange(state) -> _Exchange:
 
 def _hierarchical_exchange(hp: _Hyper, plan: _Plan, grads, state):
   """Hierarchical: float32 mean of the momenta over the fast axis, then 1 bit over the slow one."""
-  bits, axes = plan.layout.bits, plan.axes
-  momenta = [hp.b1 * _old_mean(plan, state.momentum_message, i, jnp.shape(g))
-             + (1.0 - hp.b1) * g.astype(F32) for i, g in enumerate(grads)]
-  part = _collective._fast_mean_slice(bits.flatten(momenta), axes.fast, axes.n_fast)
+  layout, axes = plan.layout, plan.axes
+  bits = layout.bits
+  momenta = [hp.b1 * _wire.message_group(layout, state.momentum_message, g) + (1.0 - hp.b1) * s
+             for g, s in enumerate(_groups.group(layout, grads).stacks)]
+  part = _collective._fast_mean_slice(_groups.stream(layout, momenta), axes.fast, axes.n_fast)
   error, server = (state.worker_error[0].astype(F32), state.server_error[0].astype(F32))
   error = jnp.where(state.feedback_valid, error, 0.0)
   avg = _collective.compressed_average(
@@ -226,41 +238,44 @@ def _hierarchical_exchange(hp: _Hyper, plan: _Plan, grads, state):
 
 
 def _gradient_sum(plan: _Plan, grads):
-  """The float32 sum of the gradient leaves over the data axis, and the factor that makes it the mean.
+  """The float32 sum of the gradients over the data axis, and the factor that makes it the mean.
 
-  One tuple all-reduce: XLA's all-reduce combiner merges the per-leaf ``psum``.
-  The ``1/n`` is left to the consumers, where it fuses (a ``pmean`` stored the
-  divided copy: one more parameter-sized buffer). Hierarchical: one flat vector,
-  reduce-scattered over the fast axis so that the slow links carry 1/fast of it
-  (see :func:`_collective.full_precision_mean`).
+  One tuple all-reduce of the leaves (XLA's all-reduce combiner merges them),
+  as ``optax.adam`` after a ``pmean`` (a stacked sum would store a copy of the
+  gradients). The ``1/n`` is left to the consumers, where it fuses (a ``pmean``
+  stored the divided copy: one more parameter-sized buffer). Hierarchical: one
+  flat vector, reduce-scattered over the fast axis so that the slow links carry
+  1/fast of it (see :func:`_collective.full_precision_mean`).
   """
-  axes, leaves = plan.axes, [g.astype(F32) for g in grads]
+  axes, grads = plan.axes, [g.astype(F32) for g in grads]
   if axes.slow is None:
-    return leaves, 1.0
+    return grads, 1.0
   if not axes.hierarchical:
-    return jax.lax.psum(leaves, axes.slow), 1.0 / axes.n_slow
-  bits = plan.layout.bits
-  flat = _collective.full_precision_mean(bits.flatten(leaves), axes.data)
-  return jax.tree.leaves(bits.unflatten(flat, jax.tree.structure(leaves))), 1.0
+    return jax.lax.psum(grads, axes.slow), 1.0 / axes.n_slow
+  layout, grads = plan.layout, _groups.group(plan.layout, grads)
+  flat = _collective.full_precision_mean(_groups.stream(layout, grads.stacks), axes.data)
+  return _groups.leaves(layout, grads._replace(stacks=_groups.unstream(layout, flat))), 1.0
 
 
-def _warmup(hp: _Hyper, plan: _Plan, grads, state, count) -> _Moments:
+def _warmup(hp: _Hyper, plan: _Plan, grads: list, state, count) -> _Moments:
   """The warmup: Adam on the mean gradient, the freeze decision, the finite flag.
 
   The finite flag is a plain sum of each mean-gradient leaf (a NaN or Inf
   anywhere makes it non-finite) and the freeze rule's norm a sum of the new
-  ``nu``: reductions of stored buffers, which XLA:CPU runs without storing a
-  computed copy (a reduction of a computed value, e.g. the squares, stored it).
+  ``nu``: reductions of stored buffers, one per shape (:func:`_groups.sums`),
+  which XLA:CPU runs without storing a computed copy (a reduction of a computed
+  value, e.g. the squares, stored it; so did one of the leaves concatenated
+  into their groups, and a dot product).
   """
   total, scale = _gradient_sum(plan, grads)
-  sums = jnp.stack([jnp.sum(m) for m in total])
+  sums = _groups.sums(total)
   finite = (_collective._all_true(jnp.all(jnp.isfinite(sums)), plan.axes.model)
             if hp.skip_nonfinite else jnp.bool_(True))
   mu, nu = _adam_moments(hp, total, scale, state, finite)
   # Only where the freeze rule reads it (a check, or where it may fire and the
   # floor needs it): elsewhere this pass over nu would be wasted.
   nu_l1 = jax.lax.cond(_freeze.reads_norm(hp.policy, count, hp.b2),
-                       lambda: jnp.stack([jnp.sum(v.astype(F32)) for v in nu]),
+                       lambda: _groups.sums(nu),
                        lambda: state.nu_l1)
   l1 = jnp.sum(nu_l1)
   if plan.axes.model is not None:  # the whole model's norm, so every shard freezes together
@@ -311,17 +326,15 @@ def _freeze_message(hp: _Hyper, plan: _Plan, mu: list, local, gathered, scale):
   error in a flat buffer: there the message is :math:`C(m)` and the scales
   :math:`\beta_1 s_m`.
   """
-  exact = [jnp.ravel(mu[i]).astype(F32) for i in plan.layout.exact]
-  exact = jnp.concatenate(exact) if exact else jnp.zeros((0,), F32)
-  compressed = [mu[i].astype(F32) for i in plan.layout.compressed]
+  layout = plan.layout
+  groups, exact = _groups.group(layout, mu)
   if local is None:
-    rows, scales = _rows(plan, compressed, exact)
+    rows, scales = _rows(plan, groups, exact)
     return rows, _collective.vary((hp.b1 * scales)[None], plan.axes.device_axes), None
-  zeros = jnp.zeros((len(compressed),), F32)
-  rows = _wire.rows(plan.layout, [jnp.zeros((plan.layout.bits.used // 8,), jnp.uint8)], zeros,
-                    exact)
-  local = tuple(_collective.vary((hp.b1 * m)[None], plan.axes.device_axes).astype(u.dtype)
-                for m, u in zip(compressed, local))
+  zeros = jnp.zeros((len(layout.compressed),), F32)
+  rows = _wire.rows(layout, [jnp.zeros((layout.bits.used // 8,), jnp.uint8)], zeros, exact)
+  local = tuple(_collective.vary(hp.b1 * m[None], plan.axes.device_axes).astype(u.dtype)
+                for m, u in zip(groups, local))
   return rows, _collective.vary(zeros[None], plan.axes.device_axes), local
 
 
@@ -345,14 +358,22 @@ def _updates(hp: _Hyper, plan: _Plan, grads, state, ex: _Exchange, mo: _Moments,
   finite = ex.finite & mo.finite
   bc1 = _bounded.bias_correction(hp.b1, count)
   bc2 = _bounded.bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
-  out = []
+  layout, out = plan.layout, []
+  groups = [_wire.message_group(layout, ex.gathered, g) for g in range(len(layout.groups))]
+  sizes = np.maximum(np.asarray(layout.sizes, np.float32), 1.0)  # (one division for all leaves)
+  floors = hp.variance_floor * mo.nu_l1 / (jnp.asarray(sizes) * bc2)
   for i, g in enumerate(grads):
-    if plan.kind(i)[0] == "z":
+    kind = plan.kind(i)
+    if kind[0] == "z":
       out.append(jnp.zeros(jnp.shape(g), g.dtype))  # replicated, as every other update
       continue
-    mean = jnp.where(state.frozen, _old_mean(plan, ex.gathered, i, jnp.shape(g)),
-                     mo.mu[i].astype(F32))
-    floor = hp.variance_floor * mo.nu_l1[i] / (plan.layout.sizes[i] * bc2)
+    if kind[0] == "c":
+      group, j = layout.group_of[kind[1]]
+      new_mean = groups[group][j]
+    else:
+      new_mean = _old_mean(plan, ex.gathered, i, jnp.shape(g))
+    mean = jnp.where(state.frozen, new_mean, mo.mu[i].astype(F32))
+    floor = floors[i]
     out.append(_leaf_update(mean, mo.nu[i].astype(F32), state.frozen, bc1, bc2, floor,
                             finite, hp).astype(g.dtype))
   return out
@@ -376,6 +397,8 @@ def _buffer_shapes(plan: _Plan) -> dict:
   """The per-device buffers' shapes for this plan (None: the buffer does not exist)."""
   axes, layout = plan.axes, plan.layout
   return dict(
+      local_momentum=None if axes.hierarchical else tuple(
+          (1, len(span)) + tuple(layout.group_shape(g)) for g, span in enumerate(layout.groups)),
       worker_error=(1, layout.bits.padded // axes.n_fast) if axes.hierarchical else None,
       server_error=(1, layout.bits.chunk) if axes.n_slow > 1 else None,
       momentum_message=(axes.num_devices, layout.row_bytes))
@@ -391,8 +414,8 @@ def _init(params, plan: _Plan, moment_dtype, error_dtype) -> ScaleByOnebitAdamSt
   return ScaleByOnebitAdamState(
       count=jnp.zeros([], jnp.int32), mu=like(moment_dtype), nu=like(moment_dtype),
       nu_l1=jnp.zeros((len(leaves),), F32),
-      local_momentum=None if plan.axes.hierarchical else tuple(
-          vary(jnp.zeros((1,) + jnp.shape(leaves[i]), error_dtype)) for i in plan.layout.compressed),
+      local_momentum=None if shapes["local_momentum"] is None else tuple(
+          vary(jnp.zeros(shape, error_dtype)) for shape in shapes["local_momentum"]),
       worker_scale=vary(jnp.zeros((1, len(plan.layout.compressed)), F32)),
       feedback_valid=jnp.zeros([], jnp.bool_),
       worker_error=zeros(shapes["worker_error"], error_dtype),
@@ -411,8 +434,9 @@ def _placeholder_state(params) -> ScaleByOnebitAdamState:
 
 def _check_buffers(state, plan: _Plan, caller: str) -> None:
   expected = _buffer_shapes(plan)
-  found = {name: None if getattr(state, name) is None else tuple(np.shape(getattr(state, name)))
-           for name in expected}
+  shape = lambda x: (None if x is None else tuple(shape(u) for u in x) if isinstance(x, tuple)
+                     else tuple(np.shape(x)))
+  found = {name: shape(getattr(state, name)) for name in expected}
   if found != expected:
     n = plan.axes.num_devices
     raise ValueError(

@@ -366,8 +366,8 @@ def init_sharded(tx, params, mesh: Mesh, axis_name: Hashable = "data", *,
     >>> mesh = jax.make_mesh((1,), ('data',))
     >>> tx = onebit_optax.onebit_adam(1e-3, axis_name='data')
     >>> state = onebit_optax.init_sharded(tx, {'w': jnp.ones(300)}, mesh)
-    >>> state[0].local_momentum[0].shape  # (devices, *leaf shape): one per device
-    (1, 300)
+    >>> state[0].local_momentum[0].shape  # (devices, leaves of this shape, *shape)
+    (1, 1, 300)
 
     A (data, model) mesh with a column-sharded matrix (on 1 × 1 devices here):
 

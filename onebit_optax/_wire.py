@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from onebit_optax import _compressor
 from onebit_optax import _layout
 
-__all__ = ["leaf_signs", "leaf_rms", "rows", "message_leaf", "message_exact", "scales_to_bytes",
-           "scales_from_bytes"]
+__all__ = ["leaf_signs", "leaf_rms", "group_signs", "group_rms", "rows", "message_leaf",
+           "message_group", "message_exact", "scales_to_bytes", "scales_from_bytes"]
 
 _BLOCK = _layout.BLOCK
 
@@ -40,13 +40,30 @@ def leaf_rms(u: jax.Array) -> jax.Array:
   return jnp.sqrt(jnp.sum(jnp.square(u)) / max(u.size, 1))
 
 
+def group_signs(u: jax.Array) -> jax.Array:
+  """The packed signs of a group ``(leaves, *shape)``: :func:`leaf_signs` of each leaf, concatenated."""
+  flat = u.reshape(u.shape[0], -1)
+  pad = -flat.shape[1] % _BLOCK
+  bits = flat >= 0
+  if pad:
+    bits = jnp.concatenate([bits, jnp.ones((u.shape[0], pad), jnp.bool_)], axis=1)
+  return jnp.packbits(bits, axis=1, bitorder=_compressor._BITORDER).reshape(-1)
+
+
+def group_rms(u: jax.Array) -> jax.Array:
+  """(leaves,) root mean square of each leaf of a group ``(leaves, *shape)`` (their 1-bit scales)."""
+  flat = u.reshape(u.shape[0], -1)
+  return jnp.sqrt(jnp.sum(jnp.square(flat), axis=1) / max(flat.shape[1], 1))
+
+
 def rows(layout: _layout.WireLayout, signs: list, leaf_scales: jax.Array,
          exact: jax.Array) -> jax.Array:
   """Phase 1's rows: row ``r`` is what goes to server ``r`` (its chunk of the signs, scales, floats).
 
   Args:
     layout: the wire layout.
-    signs: per compressed leaf, the output of :func:`leaf_signs`.
+    signs: the packed signs of the compressed leaves in stream order, in
+      pieces (per leaf, :func:`leaf_signs`, or per group, :func:`group_signs`).
     leaf_scales: (compressed leaves,) float32: each leaf's scale; a segment
       carries the scale of its leaf.
     exact: (exact_size,) float32: the exact leaves, concatenated.
@@ -83,6 +100,27 @@ def message_leaf(layout: _layout.WireLayout, gathered: jax.Array, k: int, shape)
   block_scale = scales[jnp.asarray(layout.block_scale_index[k])]
   decoded = _compressor.sign_decompress(packed.reshape(nblocks, _BLOCK // 8), block_scale, _BLOCK)
   return decoded.reshape(-1)[:size].reshape(shape)
+
+
+def message_group(layout: _layout.WireLayout, gathered: jax.Array, g: int) -> jax.Array:
+  """Group ``g`` (``layout.groups[g]``) decoded from the gathered messages: ``(leaves, *shape)``.
+
+  The group's bits are one contiguous run of the stream, each leaf on whole
+  blocks: one slice, one unpack, one scale per block (its wire segment's).
+  """
+  bits, span = layout.bits, layout.groups[g]
+  shape = layout.group_shape(g)
+  size = bits.sizes[span.start]
+  nblocks = -(-size // _BLOCK)
+  start = bits.offsets[span.start] // 8
+  stream = gathered[:, :layout.chunk_bytes].reshape(-1)
+  packed = jax.lax.slice_in_dim(stream, start, start + len(span) * nblocks * _BLOCK // 8)
+  scales = scales_from_bytes(
+      gathered[:, layout.chunk_bytes:layout.chunk_bytes + 4 * layout.segments]).reshape(-1)
+  block_scale = scales[jnp.asarray(layout.group_block_scale_index[g])]
+  decoded = _compressor.sign_decompress(
+      packed.reshape(len(span), nblocks, _BLOCK // 8), block_scale, _BLOCK)
+  return decoded.reshape(len(span), -1)[:, :size].reshape((len(span),) + tuple(shape))
 
 
 def message_exact(layout: _layout.WireLayout, gathered: jax.Array) -> jax.Array:

@@ -38,7 +38,7 @@ class ScaleByZeroOneAdamState(NamedTuple):
     >>> tx = onebit_optax.scale_by_zero_one_adam(axis_name=None, var_freeze_step=100)
     >>> state = tx.init({'w': jnp.ones(300)})
     >>> state.mu['w'].shape, state.local_sent[0].shape, onebit_optax.status(state).phase
-    ((300,), (1, 300), 'none')
+    ((300,), (1, 1, 300), 'none')
 
   References:
     Lu et al., `Maximizing Communication Efficiency for Large-scale Training via
@@ -53,8 +53,8 @@ class ScaleByZeroOneAdamState(NamedTuple):
   var_interval: jax.Array  # shape=(), dtype=int32: a variance step falls on count % var_interval == 0 (1, 2, 4, ...).
   var_counter: jax.Array  # shape=(), dtype=int32: variance steps since var_interval last doubled.
   variance_step: jax.Array  # shape=(), dtype=int32: the count of the last variance step (0: none yet).
-  local_sent: tuple  # per compressed leaf: shape=(1, *leaf shape), float32, per device: what it compressed last.
-  worker_scale: jax.Array  # shape=(1, compressed leaves), float32, per device: the scale of each leaf of local_sent.
+  local_sent: tuple  # per group of compressed leaves of one shape: shape=(1, leaves, *shape), float32, per device: what it compressed last.
+  worker_scale: jax.Array  # shape=(1, compressed leaves), float32, per device: the scale of each leaf of local_sent, group after group.
   server_error: Any  # shape=(1, chunk), float32, per device: its residual as server of one chunk; None on one device.
   local_mu: Any  # local steps: tree of (1, *leaf shape), float32, per device: this device's momentum; else None.
   accumulator: Any  # local steps: tree of (1, *leaf shape), float32, per device: its progress since the sync; else None.
@@ -115,8 +115,8 @@ def _init(params, plan: _steps.Plan, local: bool) -> ScaleByZeroOneAdamState:
       count=scalar(0), mu=tree(lambda s: jnp.zeros(s, F32)), nu=tree(lambda s: jnp.zeros(s, F32)),
       nu_l1=jnp.zeros((len(leaves),), F32), variance_updates=scalar(0), var_interval=scalar(1),
       var_counter=scalar(0), variance_step=scalar(0),
-      local_sent=tuple(vary(jnp.zeros((1,) + jnp.shape(leaves[i]), F32))
-                       for i in plan.layout.compressed),
+      local_sent=tuple(vary(jnp.zeros((1, len(span)) + tuple(plan.layout.group_shape(g)), F32))
+                       for g, span in enumerate(plan.layout.groups)),
       worker_scale=vary(jnp.zeros((1, len(plan.layout.compressed)), F32)),
       server_error=(vary(jnp.zeros((1, plan.layout.bits.chunk), F32))
                     if plan.axes.n_slow > 1 else None),
@@ -210,7 +210,7 @@ def _update(updates, state, params, hp: _steps.Hyper, axis_name):
 def _check_layout(updates, state, plan: _steps.Plan, caller: str) -> None:
   """The state belongs to these parameters on this mesh, and arrived sharded per device."""
   _guards.check_same_tree(updates, state.nu, caller)
-  specs = f"onebit_optax.zero_one_partition_specs(state, {plan.axes.data!r})"
+  specs = f"onebit_optax.state_partition_specs(state, {plan.axes.data!r})"
   if np.ndim(state.count) != 0:
     raise ValueError(f"{caller}: the state has a leading device axis (a jax.pmap state); under "
                      f"jax.shard_map make it with onebit_optax.init_sharded and {specs}.")
@@ -221,6 +221,14 @@ def _check_layout(updates, state, plan: _steps.Plan, caller: str) -> None:
         f"the per-device buffers arrive whole (in_specs P()) or the state was made for another "
         f"mesh. Shard the state with {specs} (per-device buffers on P(axis)); a per-device "
         "buffer given P() would silently hand every device the same copy.")
+  groups = [(1, len(span)) + tuple(plan.layout.group_shape(g))
+            for g, span in enumerate(plan.layout.groups)]
+  if [tuple(np.shape(u)) for u in state.local_sent] != groups:
+    raise ValueError(
+        f"{caller}: local_sent has shapes {[np.shape(u) for u in state.local_sent]}, expected "
+        f"{groups} (one buffer per group of leaves of one shape): the state was made for other "
+        "parameters, another mesh or an older onebit-optax; re-init it with "
+        f"onebit_optax.init_sharded and shard it with {specs}.")
 
 
 def _check_types(updates, params, hp: _steps.Hyper, plan: _steps.Plan, state, caller) -> None:

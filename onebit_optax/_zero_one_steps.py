@@ -6,9 +6,11 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from onebit_optax import _bounded
 from onebit_optax import _collective
+from onebit_optax import _groups
 from onebit_optax import _layout
 from onebit_optax import _wire
 
@@ -82,27 +84,19 @@ class Result(NamedTuple):
   wire_bytes: jax.Array
 
 
-def mean_leaf(plan: Plan, gathered, i: int, shape):
-  """Leaf ``i`` of the mean that the gathered messages hold (float32)."""
-  kind = plan.kind(i)
-  if kind[0] == "c":
-    return _wire.message_leaf(plan.layout, gathered, kind[1], shape)
-  offset, size = plan.layout.exact_offsets[kind[1]], plan.layout.sizes[i]
-  return _wire.message_exact(plan.layout, gathered)[offset:offset + size].reshape(shape)
-
-
 def exchange(plan: Plan, sent: list, exact: list, server_error, hp: Hyper):
-  """The 1-bit mean of ``sent`` (compressed leaves, ``(1, *shape)``) and ``exact`` (float32 leaves).
+  """The 1-bit mean of ``sent`` (per group, ``(1, leaves, *shape)``) and ``exact`` (float32 leaves).
 
   One uint8 ``all_to_all`` and one uint8 ``all_gather`` however many leaves
   (:func:`_collective.onebit_exchange`); each leaf is compressed with its own
   RMS scale. Returns ``(gathered, scales, server_error, finite)``; ``finite``
   is read off the replicated gathered scales, so every device agrees on it.
   """
-  scales = (jnp.stack([_wire.leaf_rms(u) for u in sent]) if sent else jnp.zeros((0,), F32))
+  scales = (jnp.concatenate([_wire.group_rms(u[0]) for u in sent]) if sent
+            else jnp.zeros((0,), F32))
   flat = [jnp.ravel(x).astype(F32) for x in exact]
   exact = jnp.concatenate(flat) if flat else jnp.zeros((0,), F32)
-  rows = _wire.rows(plan.layout, [_wire.leaf_signs(u) for u in sent], scales, exact)
+  rows = _wire.rows(plan.layout, [_wire.group_signs(u[0]) for u in sent], scales, exact)
   gathered, server_error, finite = _collective.onebit_exchange(
       rows, server_error, plan.layout, plan.axes, keep_if_nonfinite=hp.skip_nonfinite)
   if not hp.skip_nonfinite:
@@ -118,8 +112,9 @@ def feedback(sent, scale, valid=True):
 
 def floors(hp: Hyper, plan: Plan, nu_l1, bc2) -> list:
   """Per leaf: the floor on the bias-corrected variance, ``variance_floor`` x the leaf's mean."""
-  return [hp.variance_floor * nu_l1[i] / (max(size, 1) * bc2)
-          for i, size in enumerate(plan.layout.sizes)]
+  sizes = np.maximum(np.asarray(plan.layout.sizes, np.float32), 1.0)
+  floor = hp.variance_floor * nu_l1 / (jnp.asarray(sizes) * bc2)  # one division for all leaves
+  return [floor[i] for i in range(len(sizes))]
 
 
 def direction(hp: Hyper, m, nu, bc1, bc2, floor, bounded, finite):
@@ -215,7 +210,8 @@ def _outgoing(hp: Hyper, plan: Plan, g32, state, sched: Schedule, params, bc1, b
                   0.0 if acc is None else acc[i][0], None if params is None else params[i], sched.lr)
     moved, scaled = _momentum(hp, mus[i], g), a * denominators[i]
     if kind[0] == "c":
-      sent, scale = state.local_sent[kind[1]][0], state.worker_scale[0, kind[1]]
+      group, j = plan.layout.group_of[kind[1]]
+      sent, scale = state.local_sent[group][0, j], state.worker_scale[0, kind[1]]
       moved = moved + feedback(sent, scale)
       scaled = scaled + feedback(sent, scale, jnp.logical_not(sched.fresh))
     out.append(jnp.where(is_comp, moved, jnp.where(sched.sync, scaled, a)))
@@ -256,16 +252,19 @@ def _sync_move(hp: Hyper, plan: Plan, i, avg, denominator, lr_sum, params):
   return jnp.clip(avg / denominator + decay, -bound, bound) - decay
 
 
-def _mean_of(plan: Plan, gathered, shapes) -> list:
-  """Per leaf, the mean that the gathered 1-bit messages hold (an empty leaf: zeros)."""
-  return [jnp.zeros(s, F32) if plan.kind(i)[0] == "z" else mean_leaf(plan, gathered, i, s)
-          for i, s in enumerate(shapes)]
+def _mean_of(plan: Plan, gathered) -> list:
+  """Per leaf, the mean that the gathered 1-bit messages hold (an empty leaf: zeros).
+
+  Decoded group by group (one slice and unpack per shape), then cut into leaves.
+  """
+  layout = plan.layout
+  groups = tuple(_wire.message_group(layout, gathered, g) for g in range(len(layout.groups)))
+  return _groups.leaves(layout, _groups.Grouped(groups, _wire.message_exact(layout, gathered)))
 
 
 def _finite_mean(hp: Hyper, plan: Plan, total):
   """Whether the mean gradient (the variance step's) is finite everywhere."""
-  mean = [t * (1.0 / plan.axes.n_slow) for t in total]
-  return (jnp.all(jnp.isfinite(jnp.stack([jnp.sum(m) for m in mean])))
+  return (jnp.all(jnp.isfinite(_groups.sums(total)))  # (a NaN or Inf anywhere: a non-finite sum)
           if hp.skip_nonfinite else jnp.bool_(True))
 
 
@@ -424,7 +423,8 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   bc1 = _bounded.bias_correction(hp.b1, sched.count)
   bc2 = v_correction(hp, state.variance_updates, state.variance_step)  # v held: not a variance step
   outgoing = _outgoing(hp, plan, g32, state, sched, params, bc1, bc2)
-  sent = [outgoing[i][None] for i in plan.layout.compressed]
+  order = plan.layout.compressed  # what each device sends, stacked per group of one shape
+  sent = [jnp.stack([outgoing[order[k]] for k in span])[None] for span in plan.layout.groups]
   server = (None if state.server_error is None  # (fresh: a local-phase step)
             else jnp.where(sched.fresh, 0.0, state.server_error).astype(state.server_error.dtype))
   total, gathered, scales, server_error, finite = _collectives(
@@ -434,12 +434,12 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
     finite = jnp.where(is_var, _finite_mean(hp, plan, g32), finite)
   # The mean: float32 (variance step) or decoded from the 1-bit messages (fused into its consumers).
   mean = [t * (1.0 / plan.axes.n_slow) for t in total]
-  onebit_mean = _mean_of(plan, gathered, [jnp.shape(g) for g in g32])
+  onebit_mean = _mean_of(plan, gathered)
   avg = [jnp.where(is_var, t, c) for t, c in zip(mean, onebit_mean)]
   nu = _new_nu(hp, jax.tree.leaves(state.nu), mean, is_var, finite,
                variance_decay(hp, state, sched.count))
   # (summed from the new buffer, not from a second pass over the old one)
-  nu_l1 = jnp.where(is_var & finite, jnp.stack([jnp.sum(v) for v in nu]), state.nu_l1)
+  nu_l1 = jnp.where(is_var & finite, _groups.sums(nu), state.nu_l1)
   mu = _new_mu(hp, plan, state, sched, avg, nu, finite, bc1, bc2, params)
   updates = _updates(hp, plan, state, sched, mu, nu, avg, nu_l1, finite, bc1, bc2, params)
   # A skipped step keeps what was sent before (its feedback stays valid), unless

@@ -117,24 +117,45 @@ class Bits:
     return self.real[r * self.chunk:(r + 1) * self.chunk]
 
 
-def split(leaf_sizes, exact_below=EXACT_BELOW):
-  """(compressed, exact): indices of the leaves sent as sign bits and as float32."""
+def split(leaf_sizes, exact_below=EXACT_BELOW, shapes=None):
+  """(compressed, exact): indices of the leaves sent as sign bits and as float32.
+
+  The compressed leaves are grouped by shape (``shapes``, or the sizes when
+  not given): groups in the order of their first leaf, leaves in tree order
+  within a group; the stream lays them out in that order.
+  """
   sizes = [int(s) for s in leaf_sizes]
-  return ([i for i, s in enumerate(sizes) if s >= max(exact_below, 1)],
-          [i for i, s in enumerate(sizes) if 0 < s < exact_below])
+  keys = sizes if shapes is None else [tuple(s) for s in shapes]
+  compressed = [i for i, s in enumerate(sizes) if s >= max(exact_below, 1)]
+  first = {}
+  for i in compressed:
+    first.setdefault(keys[i], i)
+  compressed.sort(key=lambda i: (first[keys[i]], i))
+  return compressed, [i for i, s in enumerate(sizes) if 0 < s < exact_below]
 
 
-def onebit_row_bytes(leaf_sizes, n, exact_below=EXACT_BELOW):
+def groups(compressed, shapes, most=8):
+  """The compressed leaves (in ``split``'s order) cut into groups: one shape, at most ``most`` leaves."""
+  out = []
+  for i in compressed:
+    if out and tuple(shapes[out[-1][0]]) == tuple(shapes[i]) and len(out[-1]) < most:
+      out[-1].append(i)
+    else:
+      out.append([i])
+  return out
+
+
+def onebit_row_bytes(leaf_sizes, n, exact_below=EXACT_BELOW, shapes=None):
   """Bytes of one message: chunk/8 packed signs + 4 S scales + 4 * ceil(exact elements / n)."""
-  compressed, exact = split(leaf_sizes, exact_below)
+  compressed, exact = split(leaf_sizes, exact_below, shapes)
   bits = Bits([leaf_sizes[i] for i in compressed], n)
   exact_chunk = -(-sum(int(leaf_sizes[i]) for i in exact) // n)
   return bits.chunk // 8 + 4 * (bits.S + exact_chunk)
 
 
-def onebit_compressed_bytes(leaf_sizes, n, exact_below=EXACT_BELOW):
+def onebit_compressed_bytes(leaf_sizes, n, exact_below=EXACT_BELOW, shapes=None):
   """Bytes one device sends in a compression step of 1-bit Adam (flat mesh): 2 (n-1) row_bytes."""
-  return 2.0 * (n - 1) * onebit_row_bytes(leaf_sizes, n, exact_below)
+  return 2.0 * (n - 1) * onebit_row_bytes(leaf_sizes, n, exact_below, shapes)
 
 
 def onebit_warmup_bytes(leaf_sizes, n):

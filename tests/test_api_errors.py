@@ -307,7 +307,7 @@ def test_size_not_divisible_by_8n_is_padded(mesh, exact_below):
   if compressed:
     # One block of 128 for the leaf, the stream padded to 8 chunks of whole blocks.
     assert bits.padded == 8 * 128
-    assert len(s.local_momentum) == 1 and s.local_momentum[0].shape == (N, 13)
+    assert len(s.local_momentum) == 1 and s.local_momentum[0].shape == (N, 1, 13)
     assert s.worker_scale.shape == (N, 1)
     assert np.any(np.asarray(s.local_momentum[0]))  # compression did run
   else:

@@ -172,7 +172,7 @@ def test_the_run_crosses_the_phases_where_the_checkpoints_are(uninterrupted):
   local = comp["opt_state[0].local_momentum[0]"]
   scale = comp["opt_state[0].worker_scale"]
   server = comp["opt_state[0].server_error"]
-  assert local.shape == (8, run.FEATURES, run.HIDDEN) and scale.shape == (8, 1)
+  assert local.shape == (8, 1, run.FEATURES, run.HIDDEN) and scale.shape == (8, 1)
   assert len({row.tobytes() for row in local}) == 8
   assert len({row.tobytes() for row in scale}) == 8
   assert server.shape == (8, 128)
@@ -230,7 +230,7 @@ def test_the_record_carries_the_format_version(uninterrupted):
   with open(os.path.join(uninterrupted[0], str(run.COMPRESSION_SAVE), "onebit_optax",
                          "metadata")) as f:
     record = json.load(f)
-  assert record["onebit_format"] == 3
+  assert record["onebit_format"] == 4
   assert record["layout"]["num_devices"] == 8 and record["layout"]["compressed"] == FLAT
   assert record["layout"]["buffers"]["worker_error"] is None
 
@@ -336,8 +336,12 @@ def test_a_checkpoint_of_the_old_flat_layout_is_refused(tmp_path):
                      r"vector(.|\n)*no conversion is offered(.|\n)*init_sharded") as info:
     _restore(str(tmp_path / "old"))
   assert "'onebit_optax.checkpoint/1'" in str(info.value)
-  _fake_record(str(tmp_path / "newer"), {"format": "onebit_optax.checkpoint/4",
-                                         "onebit_format": 4}, old_state)
+  _fake_record(str(tmp_path / "v3"), {"format": "onebit_optax.checkpoint/3",
+                                      "onebit_format": 3}, old_state)
+  with pytest.raises(ValueError, match=r"core v3(.|\n)*one array per leaf(.|\n)*init_sharded"):
+    _restore(str(tmp_path / "v3"))
+  _fake_record(str(tmp_path / "newer"), {"format": "onebit_optax.checkpoint/5",
+                                         "onebit_format": 5}, old_state)
   with pytest.raises(ValueError, match="newer onebit-optax"):
     _restore(str(tmp_path / "newer"))
 
@@ -401,7 +405,7 @@ def test_single_device_round_trip_and_restore_from_8_devices(uninterrupted, tmp_
     _, state1, _ = onebit_optax.restore_checkpoint(
         uninterrupted[0], tx1, run.init_params(), mesh=None)
   s1 = state1[0]
-  assert s1.local_momentum[0].shape == (1, run.FEATURES, run.HIDDEN)
+  assert s1.local_momentum[0].shape == (1, 1, run.FEATURES, run.HIDDEN)
   assert s1.server_error is None and s1.worker_error is None
   assert bool(s1.frozen)
   saved = uninterrupted[1][run.COMPRESSION_SAVE]
@@ -446,7 +450,7 @@ def test_restore_onto_4_devices_keeps_everything_and_hands_on_the_feedback(unint
         continue
       assert out["restored_" + key].tobytes() == value.tobytes(), key
     # The per-device buffers, in the 4-device shapes.
-    assert out["restored_opt_state[0].local_momentum[0]"].shape == (4, run.FEATURES, run.HIDDEN)
+    assert out["restored_opt_state[0].local_momentum[0]"].shape == (4, 1, run.FEATURES, run.HIDDEN)
     assert out["restored_opt_state[0].worker_scale"].shape == (4, 1)
     assert out["restored_opt_state[0].server_error"].shape == (4, 128)
     assert not any(_is(key, "worker_error") for key in out)
@@ -511,7 +515,7 @@ def test_hierarchical_resume_and_moves_to_and_from_a_flat_mesh(hierarchical, uni
                                                        flat_mesh)
   assert "['w2']" in str(caught[0].message) and "['w1']" not in str(caught[0].message)
   s = flat_state[0]
-  assert s.worker_error is None and s.local_momentum[0].shape == (8, run.FEATURES, run.HIDDEN)
+  assert s.worker_error is None and s.local_momentum[0].shape == (8, 1, run.FEATURES, run.HIDDEN)
   np.testing.assert_array_equal(np.asarray(s.mu["w1"]), comp["opt_state[0].mu['w1']"])
   _assert_relaid(np.asarray(s.momentum_message), FLAT, 8,
                  comp["opt_state[0].momentum_message"], HIER, 8)
@@ -564,7 +568,7 @@ def test_two_processes_resume_bitwise_after_a_kill(tmp_path):
     _assert_bitwise(got, want)
     assert want["opt_state[0].count"] == run.STEPS
     # This process's own row of the per-device buffers.
-    assert want["opt_state[0].local_momentum[0]"].shape == (1, run.FEATURES, run.HIDDEN)
+    assert want["opt_state[0].local_momentum[0]"].shape == (1, 1, run.FEATURES, run.HIDDEN)
     assert np.any(want["opt_state[0].local_momentum[0]"])
     assert want["opt_state[0].server_error"].shape == (1, _flat.padded([SIZES[1]], 2) // 2)
 

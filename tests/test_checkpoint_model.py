@@ -196,7 +196,7 @@ def test_a_move_to_fewer_data_replicas_hands_the_feedback_on_per_model_shard(sav
   for name in ("mu", "nu", "nu_l1", "count", "frozen", "freeze_step", "skipped_steps"):
     for got, want in zip(jax.tree.leaves(getattr(new, name)), jax.tree.leaves(getattr(old, name))):
       assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), name
-  assert new.local_momentum[0].shape == (2 * MODEL, FEATURES, HIDDEN // MODEL)
+  assert new.local_momentum[0].shape == (2 * MODEL, 1, FEATURES, HIDDEN // MODEL)
   for m in range(MODEL):  # each model shard: the numpy model of the hand-on
     before, after = _shard_snapshot(old, m, DATA), _shard_snapshot(new, m, 2)
     want = run.expected_carry(before, LOCAL_SIZES, (COMPRESSED, DATA, 1), (COMPRESSED, 2, 1),

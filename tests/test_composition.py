@@ -181,7 +181,7 @@ def test_pmap_recipe_trains_and_switches_phase():
   # pmap: every field gets the leading device axis; the per-device buffers are (1, ...)
   # on each device. b (4 elements) travels as float32, w (64) compressed.
   s = opt_state[0]
-  assert [u.shape for u in s.local_momentum] == [(N, 1, 16, 4)]
+  assert [u.shape for u in s.local_momentum] == [(N, 1, 1, 16, 4)]
   assert s.worker_scale.shape == (N, 1, 1) and s.worker_error is None
   assert s.server_error.shape == (N, 1, _flat.Bits([SIZES[1]], N).chunk)
   assert s.momentum_message.shape == (N, N, _flat.onebit_row_bytes(SIZES, N))

@@ -240,7 +240,7 @@ def _check_sgd_leaf_and_onebit_leaf(history, params0, x, y, state, specs):
   assert bool(onebit_state.frozen) and int(onebit_state.freeze_step) == K
   # Only 'w' (36 params) is in 1-bit Adam's state and travels compressed (exact_below=0).
   assert [np.shape(v) for v in jax.tree.leaves(onebit_state.nu)] == [(FEATURES, OUTPUTS)]
-  assert [u.shape for u in onebit_state.local_momentum] == [(N, FEATURES, OUTPUTS)]
+  assert [u.shape for u in onebit_state.local_momentum] == [(N, 1, FEATURES, OUTPUTS)]
   assert onebit_state.momentum_message.shape == (
       N, _flat.onebit_row_bytes([FEATURES * OUTPUTS], N, exact_below=0))
   assert onebit_state.server_error.shape == (N, _flat.Bits([FEATURES * OUTPUTS], N).chunk)

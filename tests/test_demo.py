@@ -85,10 +85,14 @@ def test_table_has_both_optimizers_with_finite_losses(demo_output):
   assert _row(demo_output, "variance froze")[1].startswith(f"after step {FREEZE} ")
 
 
-def _leaf_sizes(vocab, context=16, hidden=256, embed=16):
+def _leaf_shapes(vocab, context=16, hidden=256, embed=16):
   """The demo model's leaves (its defaults), in flattening order: embed, h1, h2, out (b, w)."""
-  return [vocab * embed, hidden, context * embed * hidden, hidden, hidden * hidden,
-          vocab, hidden * vocab]
+  return [(vocab, embed), (hidden,), (context * embed, hidden), (hidden,), (hidden, hidden),
+          (vocab,), (hidden, vocab)]
+
+
+def _leaf_sizes(vocab, **kwargs):
+  return [math.prod(s) for s in _leaf_shapes(vocab, **kwargs)]
 
 
 def test_bytes_match_the_ring_and_two_phase_formulas(demo_output):
@@ -104,7 +108,7 @@ def test_bytes_match_the_ring_and_two_phase_formulas(demo_output):
   # leaves >= 64 elements, one float32 scale per leaf piece of a chunk and the small
   # leaves as float32, through an all_to_all and an all_gather (tests/_flat).
   onebit_warmup = _flat.onebit_warmup_bytes(sizes, n)
-  onebit = _flat.onebit_compressed_bytes(sizes, n)
+  onebit = _flat.onebit_compressed_bytes(sizes, n, shapes=_leaf_shapes(vocab))
   assert onebit_warmup == pytest.approx(allreduce)
 
   full_adam, full_onebit = (
@@ -159,7 +163,10 @@ def test_hierarchical_demo_counts_the_bytes_between_nodes(tmp_path):
   assert "over the slow 'node' axis (between nodes) only" in note
   assert output.index(note) < output.index("bytes/device/step, full precision")
   num_params = int(re.search(r"^([\d,]+) parameters", output, re.M)[1].replace(",", ""))
-  sizes = _leaf_sizes(int(re.search(r"vocabulary (\d+)", output)[1]))
+  vocab = int(re.search(r"vocabulary (\d+)", output)[1])
+  sizes = _leaf_sizes(vocab)
+  # Every leaf compressed (hierarchical), laid out group after group of one shape.
+  sizes = [sizes[i] for i in _flat.split(sizes, 0, _leaf_shapes(vocab))[0]]
   nodes, local = 2, DEVICES // 2
   quarter = _flat.padded(sizes, DEVICES) / local
   full_adam, full_onebit = (_bytes(c) for c in _row(output, "bytes/device/step, full precision"))

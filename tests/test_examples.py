@@ -31,10 +31,16 @@ def ring_allreduce_bytes(d, n):
 
 
 def leaf_sizes(example):
-  """Sizes of the example model's parameter leaves at TINY's shapes, in flattening order.
+  """Sizes of the example model's parameter leaves at TINY's shapes, in flattening order."""
+  return [int(np.prod(s)) for s in leaf_shapes(example)]
 
-  1-bit Adam lays them out in its flat buffer in that order (each on blocks of
-  128), which sets the padding and the scales per chunk (tests/_flat.py).
+
+def leaf_shapes(example):
+  """Shapes of the example model's parameter leaves at TINY's shapes, in flattening order.
+
+  1-bit Adam lays the compressed ones out in its bit stream group after group of
+  one shape (each on blocks of 128), which sets the padding and the scales per
+  chunk (tests/_flat.py).
   """
   vocab = _data.load_corpus().vocab_size
   if example == "gpt_onebit":
@@ -45,7 +51,7 @@ def leaf_sizes(example):
     model = bert_linen.CharBert(vocab, d_model=32, num_layers=1, num_heads=2, max_len=16)
     leaves = jax.tree.leaves(jax.eval_shape(
         model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 16), np.int32))["params"])
-  return [int(np.prod(x.shape)) for x in leaves]
+  return [tuple(x.shape) for x in leaves]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +87,8 @@ def test_onebit_example_trains_and_switches_phase(run, request):
   assert _flat.onebit_warmup_bytes(sizes, n) == pytest.approx(
       ring_allreduce_bytes(r["num_params"], n))
   expected = (FREEZE * _flat.onebit_warmup_bytes(sizes, n)
-              + (STEPS - FREEZE) * _flat.onebit_compressed_bytes(sizes, n))
+              + (STEPS - FREEZE) * _flat.onebit_compressed_bytes(sizes, n,
+                                                                shapes=leaf_shapes(run)))
   np.testing.assert_allclose(r["bytes_per_device"], expected, rtol=1e-6)
   assert r["bytes_total"] == pytest.approx(n * expected)
 
@@ -116,8 +123,9 @@ def test_nnx_optimizer_state_is_sharded_like_state_partition_specs():
   create_optimizer, _, _ = gpt_nnx.build_steps(mesh, gpt_nnx.make_optimizer(args), onebit=True)
   state = nnx.as_pure(create_optimizer(model).opt_state)
   specs = onebit_optax.state_partition_specs(state, "data")
-  sizes = leaf_sizes("gpt_onebit")
-  compressed, _ = _flat.split(sizes)
+  sizes, shapes = leaf_sizes("gpt_onebit"), leaf_shapes("gpt_onebit")
+  compressed, _ = _flat.split(sizes, shapes=shapes)
+  groups = _flat.groups(compressed, shapes)
   chunk = _flat.Bits([sizes[i] for i in compressed], DEVICES).chunk
   sharded = []
   for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(specs)):
@@ -126,11 +134,13 @@ def test_nnx_optimizer_state_is_sharded_like_state_partition_specs():
       sharded.append(int(np.prod(leaf.shape[1:])))
     else:
       assert leaf.sharding.is_fully_replicated
-  # local_momentum (one per compressed leaf), worker_scale, server_error; no worker_error.
-  assert sorted(sharded) == sorted([sizes[i] for i in compressed] + [len(compressed), chunk])
+  # local_momentum (one per group of compressed leaves of one shape), worker_scale (one
+  # scale per compressed leaf), server_error; no worker_error.
+  assert sorted(sharded) == sorted([len(g) * sizes[g[0]] for g in groups]
+                                   + [len(compressed), chunk])
   opt = next(s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
       x, onebit_optax.ScaleByOnebitAdamState)) if isinstance(s, onebit_optax.ScaleByOnebitAdamState))
-  assert opt.worker_error is None and len(opt.local_momentum) == len(compressed) > 0
+  assert opt.worker_error is None and len(opt.local_momentum) == len(groups) > 0
 
 
 def test_too_many_devices_is_a_clear_error():

@@ -302,10 +302,10 @@ def test_checkpoint_round_trip_and_move_to_a_flat_mesh(mesh, tmp_path):
   with pytest.warns(UserWarning, match=r"no longer compressed"):
     _, flat_state, _ = onebit_optax.restore_checkpoint(str(tmp_path), flat_tx, params, flat_mesh)
   # Core v3 on a flat mesh: no worker error buffer, a per-device u per compressed
-  # leaf (a and w; b and g are exact there), carrying the handed-on feedback.
+  # leaf (a and w, one group each; b and g are exact there), carrying the handed-on feedback.
   assert flat_state[0].worker_error is None
-  assert [u.shape for u in flat_state[0].local_momentum] == [(N,) + SHAPES["a"],
-                                                              (N,) + SHAPES["w"]]
+  assert [u.shape for u in flat_state[0].local_momentum] == [(N, 1) + SHAPES["a"],
+                                                              (N, 1) + SHAPES["w"]]
   assert all(np.any(np.asarray(u)) for u in flat_state[0].local_momentum)
   assert flat_state[0].server_error.shape == (N, _flat.padded([SIZES[0], SIZES[3]], N) // N)
   assert np.any(np.asarray(flat_state[0].server_error))

@@ -173,8 +173,8 @@ def test_state_layout(mesh, setup):
   # Per device: what it compressed last, one entry per compressed leaf (its local shard
   # of w1 and w2), and their scales; globally one row per device, row data * MODEL + model.
   per_device = ("data", "model")
-  assert [u.shape for u in state.local_momentum] == [(DATA * MODEL, D, H // MODEL),
-                                                     (DATA * MODEL, H // MODEL, D)]
+  assert [u.shape for u in state.local_momentum] == [(DATA * MODEL, 1, D, H // MODEL),
+                                                     (DATA * MODEL, 1, H // MODEL, D)]
   assert state.worker_scale.shape == (DATA * MODEL, 2) and state.worker_error is None
   bits = _flat.Bits([512, 512], DATA)  # the compressed leaves' stream, in 4 chunks
   assert state.server_error.shape == (DATA * MODEL, bits.chunk)

@@ -147,7 +147,7 @@ def test_state_dtypes_default_float32_and_configurable(mesh, dtype):
     assert state.server_error.dtype == errors and state.worker_error is None, kwargs
     assert state.momentum_message.dtype == jnp.uint8 and state.worker_scale.dtype == jnp.float32
     # The layout does not depend on dtypes.
-    assert [u.shape for u in state.local_momentum] == [(N, FEATURES, CLASSES)]
+    assert [u.shape for u in state.local_momentum] == [(N, 1, FEATURES, CLASSES)]
     assert state.server_error.shape == (N, chunk)
     assert state.momentum_message.shape == (N, _flat.onebit_row_bytes(LEAF_SIZES, N))
 

@@ -424,8 +424,9 @@ def _recorded_run(b1, b2, seed, num_steps=NUM_STEPS):
   opt_state = onebit_optax.init_sharded(tx, params, mesh)
   specs = onebit_optax.state_partition_specs(opt_state, "data")
   state = opt_state[0]
-  # Per device: u of each compressed leaf (a, w), the two leaf scales, one chunk of server error.
-  assert [u.shape for u in state.local_momentum] == [(N,) + SHAPES["a"], (N,) + SHAPES["w"]]
+  # Per device: u of each compressed leaf (a, w; two shapes: two groups of one leaf), the two
+  # leaf scales, one chunk of server error.
+  assert [u.shape for u in state.local_momentum] == [(N, 1) + SHAPES["a"], (N, 1) + SHAPES["w"]]
   assert state.worker_scale.shape == (N, 2)
   assert state.worker_error is None
   assert state.server_error.shape == (N, CHUNK)
@@ -451,7 +452,7 @@ def _recorded_run(b1, b2, seed, num_steps=NUM_STEPS):
         nu_l1=np.array(s.nu_l1), moments_mu=_numpy_tree(moments_mu),
         moments_nu=_numpy_tree(moments_nu), frozen=bool(s.frozen),
         freeze_step=int(s.freeze_step), feedback=bool(s.feedback_valid),
-        local=[np.array(u) for u in s.local_momentum], worker_scale=np.array(s.worker_scale),
+        local=[np.array(u)[:, 0] for u in s.local_momentum], worker_scale=np.array(s.worker_scale),
         server_error=np.array(s.server_error), message=np.array(s.momentum_message),
         wire_bytes=float(s.wire_bytes)))
   return params0, x, y, records

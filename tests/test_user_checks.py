@@ -148,7 +148,7 @@ def test_init_sharded_and_state_partition_specs_take_a_zero_one_state():
   # Per-device buffers: one row per device, sharded over 'data'; the moments replicated.
   assert zo.worker_scale.shape[0] == N and specs[0].worker_scale == P("data")
   assert tuple(zo.worker_scale.sharding.spec)[0] == "data"
-  assert [u.shape for u in zo.local_sent] == [(N, 300)]
+  assert [u.shape for u in zo.local_sent] == [(N, 1, 300)]
   assert specs[0].mu == {"w": P(), "b": P()} and zo.mu["w"].sharding.is_fully_replicated
   s = onebit_optax.status(state, var_freeze_step=10)  # the counters of 8 replicas, read
   assert (s.phase, s.step, s.next_variance_step, s.replicas_agree) == ("none", 0, 1, True)

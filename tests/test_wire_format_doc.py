@@ -77,7 +77,8 @@ def _run():
 def test_worker_and_server_scales_are_the_documented_ones():
   s = _run()
   owners, chunk = _layout()
-  u = {name: np.asarray(x, np.float32) for name, x in zip(SHAPES, s.local_momentum)}  # (N, *shape)
+  u = {name: np.asarray(x, np.float32)[:, 0]  # (N, *shape): one leaf per shape
+       for name, x in zip(SHAPES, s.local_momentum)}
   worker = np.asarray(s.worker_scale)
   rms = lambda v: np.sqrt(np.sum(np.square(v, dtype=np.float64)) / v.size)
   for k, name in enumerate(SHAPES):  # one scale per whole leaf, per device

@@ -365,7 +365,8 @@ def _check_against(sim, params, opt_state, at):
   for d in range(N):
     for j, k in enumerate(sim.wire.compressed):
       expected = sim.sent[d][k]
-      np.testing.assert_allclose(np.asarray(s.local_sent[j])[d], expected, rtol=0,
+      # (every shape distinct: group j holds the one leaf k)
+      np.testing.assert_allclose(np.asarray(s.local_sent[j])[d, 0], expected, rtol=0,
                                  atol=TOL * (float(np.max(np.abs(expected))) or 1.0),
                                  err_msg=f"local_sent[{k}] device {d} {at}")
   np.testing.assert_allclose(np.asarray(s.server_error), sim.wire.server_error, rtol=0,
@@ -849,7 +850,7 @@ def test_move_state_to_another_device_count(H, tmp_path):
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
                         getattr(old, name), getattr(new, name))
     assert all(jax.tree.leaves(same)), name
-  assert [np.shape(u) for u in new.local_sent] == [(4, 100), (4, 60, 20)]
+  assert [np.shape(u) for u in new.local_sent] == [(4, 1, 100), (4, 1, 60, 20)]
   assert not any(np.any(np.asarray(u)) for u in new.local_sent)
   chunk4 = _flat.Bits([100, 1200], 4).chunk
   assert np.shape(new.server_error) == (4, chunk4) and not np.any(np.asarray(new.server_error))

@@ -1,0 +1,88 @@
+"""The compiled train step grows with the model's shapes, not with its leaves (issue 25, item 2).
+
+A step written leaf by leaf compiles about 20 fused kernels per leaf where
+``optax.adam`` + ``pmean`` compiles 3: minutes of compilation for a model of a
+few hundred leaves. Counted, not timed: the compiled train step's fusions for
+20 and 200 leaves of the same 20 shapes, against Adam + ``pmean`` compiled in
+the same test. (Timing lives in ``benchmarks/compile_time.py``.)
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import onebit_optax
+from onebit_optax import _layout
+
+AXIS = "data"
+# 20 distinct shapes, matrices and vectors, all compressed (>= 64 elements).
+SHAPES = [(8 + k, 12) if k % 2 else (100 + 8 * k,) for k in range(20)]
+# Per leaf both grow by 3 fusions (measured: the moments and the step). What the grouped
+# program may add: a few kernels per group (the decoding, the stacking of the gradients,
+# the signs; at most GROUP_LEAVES leaves of one shape per group, so 200 leaves of 20
+# shapes are 40 groups where 20 leaves are 20), and a few per shape that appear once a
+# shape has two leaves to stack.
+PER_GROUP = 5
+SLACK = 3 * len(SHAPES)
+
+
+def _fusions(make_tx, leaves: int) -> int:
+  mesh = jax.make_mesh((2,), (AXIS,), devices=jax.devices()[:2])
+  tree = {f"w{i:03d}": jnp.zeros(SHAPES[i % len(SHAPES)], jnp.float32) for i in range(leaves)}
+  tx, onebit = make_tx()
+  state = onebit_optax.init_sharded(tx, tree, mesh) if onebit else tx.init(tree)
+  specs = (onebit_optax.state_partition_specs(state, AXIS) if onebit
+           else jax.tree.map(lambda _: P(), state))
+
+  def body(params, state, grads):
+    grads = onebit_optax.local_params(grads, AXIS)
+    if not onebit:
+      grads = jax.lax.pmean(grads, AXIS)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P()),
+                               out_specs=(P(), specs)), donate_argnums=(0, 1))
+  put = lambda t: jax.device_put(t, NamedSharding(mesh, P()))
+  text = step.lower(put(tree), state, put(tree)).compile().as_text()
+  return len(re.findall(r"^\s*(?:ROOT )?%\S+ = \S+ fusion\(", text, re.MULTILINE))
+
+
+ADAM = lambda: (optax.adam(1e-3), False)
+ONEBIT = lambda: (onebit_optax.onebit_adam(1e-3, axis_name=AXIS, freeze=100), True)
+ZERO_ONE = lambda: (onebit_optax.zero_one_adam(1e-3, axis_name=AXIS, var_freeze_step=100), True)
+
+
+@pytest.fixture(scope="module")
+def adam_growth():
+  return _fusions(ADAM, 200) - _fusions(ADAM, 20)
+
+
+def test_the_count_sees_per_leaf_kernels(adam_growth):
+  # Adam + pmean: about 3 fused kernels per leaf (the moments, the step and its apply).
+  assert 2 * 180 <= adam_growth <= 4 * 180, adam_growth
+
+
+def _groups(leaves: int) -> int:
+  return -(-(leaves // len(SHAPES)) // _layout.GROUP_LEAVES) * len(SHAPES)
+
+
+def test_onebit_adam_grows_no_faster_than_adam(adam_growth):
+  growth = _fusions(ONEBIT, 200) - _fusions(ONEBIT, 20)
+  assert _groups(200) - _groups(20) == 20
+  assert growth <= adam_growth + PER_GROUP * (_groups(200) - _groups(20)) + SLACK, (
+      growth, adam_growth)
+
+
+@pytest.mark.slow  # (18 s of compiling: CI runs it with -m ''; 1-bit Adam's is in the default suite)
+def test_zero_one_adam_grows_no_faster_than_adam(adam_growth):
+  growth = _fusions(ZERO_ONE, 60) - _fusions(ZERO_ONE, 20)
+  assert growth <= adam_growth * 40 / 180 + PER_GROUP * (_groups(60) - _groups(20)) + SLACK, (
+      growth, adam_growth)
