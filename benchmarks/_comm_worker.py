@@ -25,6 +25,7 @@ import json
 import socket
 import sys
 import time
+from optax.tree_utils import tree_get
 
 _PORT = 5901
 
@@ -280,12 +281,12 @@ def _time_onebit(bench, mesh, axis, time_warmup: bool) -> dict:
   out = {"warmup": {"first_step_s": time.perf_counter() - t}}
   if time_warmup:
     state, out["warmup"]["blocks"] = bench.timed(step, state, batch)
-    out["warmup"]["state_wire_bytes"] = _replicated_value(onebit_optax.wire_bytes(state[1]))
-  assert _replicated_value(onebit_optax.is_frozen(state[1])), "did not freeze"
+    out["warmup"]["state_wire_bytes"] = _replicated_value(tree_get(state[1], "wire_bytes"))
+  assert _replicated_value(tree_get(state[1], "frozen")), "did not freeze"
   state, _ = bench.run_block(step, state, batch, 1)
   state, blocks = bench.timed(step, state, batch)
   out["compression"] = {"blocks": blocks,
-                        "state_wire_bytes": _replicated_value(onebit_optax.wire_bytes(state[1]))}
+                        "state_wire_bytes": _replicated_value(tree_get(state[1], "wire_bytes"))}
   return out
 
 
@@ -601,14 +602,14 @@ def _profile_hier(args, mesh, flat, shapes):
           per_device(mesh, P(ax), (layout.chunk,), jnp.float32, 7) * 0)
   hier = jax.jit(jax.shard_map(
       lambda v, e: (lambda m, a, b: (m[None], (a, b)))(
-          *onebit_optax.compressed_mean(v, e[0], e[1], ax, layout=layout)),
+          *_collective.compressed_mean(v, e[0], e[1], ax, layout=layout)),
       mesh=mesh, in_specs=(P(ax), P(ax)), out_specs=(P(ax), P(ax))))
   fx = per_device(flat, P("data"), (d,), jnp.float32, 8)
   ferrs = (per_device(flat, P("data"), (d,), jnp.float32, 9) * 0,
            per_device(flat, P("data"), (layout.chunk,), jnp.float32, 10) * 0)
   flat_cm = jax.jit(jax.shard_map(
       lambda v, e: (lambda m, a, b: (m[None], (a, b)))(
-          *onebit_optax.compressed_mean(v, e[0], e[1], "data", layout=layout)),
+          *_collective.compressed_mean(v, e[0], e[1], "data", layout=layout)),
       mesh=flat, in_specs=(P("data"), P("data")), out_specs=(P("data"), P("data"))))
   cases = {
       "psum_scatter f32 over 'local' (padded buffer)": (

@@ -44,6 +44,9 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
+from onebit_optax import _collective
+from onebit_optax import _compressor
+from optax.tree_utils import tree_get
 
 AXIS = "data"
 KINDS = ("adamw", "onebit", "fixed", "naive", "no_feedback", "zero_one")
@@ -108,8 +111,8 @@ class Runner:
     self.n = mesh.shape[AXIS]
     self.size = sum(int(np.prod(x.shape))
                     for x in jax.tree.leaves(task.init_params(jax.random.key(0))))
-    self.padded = onebit_optax.padded_size(self.size, self.n)
-    self.allreduce_bytes = float(onebit_optax.allreduce_wire_bytes(self.size, self.n))
+    self.padded = _compressor.padded_size(self.size, self.n)
+    self.allreduce_bytes = float(_collective.allreduce_wire_bytes(self.size, self.n))
     self.schedule = optax.warmup_cosine_decay_schedule(0.0, 1.0, task.warmup, task.steps, 0.1)
     val = task.val_set(self.n)
     periodic = min(len(val[0]), PERIODIC_VAL) // self.n * self.n
@@ -174,14 +177,14 @@ class Runner:
 
     def compressed(ops):
       g, we, se = ops
-      mean, we, se = onebit_optax.compressed_mean(jnp.pad(g, (0, padded - size)), we[0], se[0],
+      mean, we, se = _collective.compressed_mean(jnp.pad(g, (0, padded - size)), we[0], se[0],
                                                   AXIS)
       return mean[:size], we[None], se[None]
 
     compress = step > freeze_at  # replicated: all devices take the same branch.
     mean, we, se = jax.lax.cond(compress, compressed, full_precision,
                                 (flat_grads, carry["worker_error"], carry["server_error"]))
-    wire = jnp.where(compress, onebit_optax.compressed_wire_bytes(padded, self.n),
+    wire = jnp.where(compress, _collective.compressed_wire_bytes(padded, self.n),
                      self.allreduce_bytes).astype(jnp.float32)
     return mean, we, se, wire
 
@@ -226,9 +229,9 @@ class Runner:
       if kind == "no_feedback":
         opt_state = _zero_error_feedback(opt_state)
       new["opt"] = opt_state
-      wire = onebit_optax.wire_bytes(opt_state).astype(jnp.float32)
-      metrics.update(ratio=onebit_optax.variance_ratio(opt_state).astype(jnp.float32),
-                     frozen=onebit_optax.is_frozen(opt_state))
+      wire = tree_get(opt_state, "wire_bytes").astype(jnp.float32)
+      metrics.update(ratio=tree_get(opt_state, "variance_ratio").astype(jnp.float32),
+                     frozen=tree_get(opt_state, "frozen"))
     if not (kind == "zero_one" and zero_one.get("local_steps") is not None):
       updates = jax.tree.map(lambda u: lr * u, updates)  # (local steps: applied inside)
     params = optax.apply_updates(params, updates)
@@ -318,7 +321,7 @@ class Runner:
     elif kind == "zero_one":
       freeze_step = zero_one["var_freeze_step"] if frozen.any() else None
     else:
-      freeze_step = int(onebit_optax.freeze_step(carry["opt"])) if frozen.any() else None
+      freeze_step = int(tree_get(carry["opt"], "freeze_step")) if frozen.any() else None
     if kind != "adamw":
       del rec["nu_l1"]
     if kind not in ("onebit", "fixed", "no_feedback"):

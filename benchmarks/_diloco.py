@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-import onebit_optax
+from onebit_optax import _collective
 
 F32 = jnp.float32
 
@@ -83,7 +83,7 @@ def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformat
     updates, outer_state = jax.lax.cond(sync, outer_step, no_step, offset, state.outer)
     size = sum(int(jnp.size(p)) for p in jax.tree.leaves(params))
     n = 1 if axis_name is None else jax.lax.axis_size(axis_name)
-    sent = jnp.where(sync, onebit_optax.allreduce_wire_bytes(size, n), 0.0).astype(F32)
+    sent = jnp.where(sync, _collective.allreduce_wire_bytes(size, n), 0.0).astype(F32)
     new_state = DiLoCoState(
         count, jax.tree.map(lambda o: jnp.where(sync, 0.0, o)[None], offset),
         jax.tree.map(lambda x: x[None], inner_state), outer_state, sent)

@@ -40,6 +40,7 @@ import optax  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import onebit_optax  # noqa: E402
+from optax.tree_utils import tree_get  # noqa: E402
 
 LR, STEPS, BATCH = 3e-3, 300, 256
 VARIANTS = {"none": (0.0, float("inf")), "floor": (0.01, float("inf")),
@@ -122,7 +123,7 @@ def main():
                                     variance_floor=floor, max_update=clip)
       params, state = train(tx, params0, x_train, y_train, batches, mesh)
       result = summarize(params, params0, adam, rare, x_val, y_val)
-      result["skipped"] = int(onebit_optax.skipped_steps(state))
+      result["skipped"] = int(tree_get(state, "skipped_steps"))
       rows.append((name, str(freeze), str(result["skipped"]), result))
       print(name, freeze, result, flush=True)
 

@@ -88,6 +88,7 @@ sys.path.insert(0, str(HERE))
 import _comm_worker  # noqa: E402  (the rank's code; its 0/1 Adam defaults and schedule)
 import _netns  # noqa: E402  (benchmarks/_netns.py)
 import _provenance  # noqa: E402
+from onebit_optax import _collective  # noqa: E402
 
 WORKER = HERE / "_comm_worker.py"
 XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -377,10 +378,10 @@ def _zero_one_predicted(num_params: int, leaf_shapes: list, n: int) -> dict:
   """
   import onebit_optax
   layout = _layout(leaf_shapes, n)
-  onebit = onebit_optax.compressed_wire_bytes(layout.bits.padded, n,
+  onebit = _collective.compressed_wire_bytes(layout.bits.padded, n,
                                               layout.segments + layout.exact_chunk)
   assert abs(onebit - 2 * (n - 1) * layout.row_bytes) < 1e-6, (onebit, layout.row_bytes)
-  return {"variance": onebit_optax.allreduce_wire_bytes(num_params, n), "compressed": onebit,
+  return {"variance": _collective.allreduce_wire_bytes(num_params, n), "compressed": onebit,
           "local": 0.0, "sync": onebit}
 
 
@@ -964,10 +965,10 @@ def _hier_predicted(num_params: int, leaf_shapes: list, n: int, nodes: int) -> d
   k = n // nodes
   remote = n - k
   return {
-      "hier_compression": onebit_optax.compressed_wire_bytes(
+      "hier_compression": _collective.compressed_wire_bytes(
           hier.padded // k, nodes, hier.max_segments),
-      "adam": onebit_optax.allreduce_wire_bytes(num_params, n) * nodes / n,
-      "onebit_warmup": onebit_optax.allreduce_wire_bytes(num_params, n) * nodes / n,
+      "adam": _collective.allreduce_wire_bytes(num_params, n) * nodes / n,
+      "onebit_warmup": _collective.allreduce_wire_bytes(num_params, n) * nodes / n,
       "onebit_compression": remote * msg + (n - 1) * msg * nodes / n,
       "padded": hier.padded, "max_segments": hier.max_segments,
   }

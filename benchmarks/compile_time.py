@@ -145,8 +145,8 @@ def main():
         print(f"{leaves} leaves, {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items())
               + f"  load {os.getloadavg()[0]:.2f}", flush=True)
     med = {name: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for name, rs in runs.items()}
-    rows.append({"leaves": leaves, "repeats": args.repeats, "median": med, "all": runs,
-                 "run": len(runs_meta)})
+    rows.append({"leaves": leaves, "shapes": len(SHAPES), "repeats": args.repeats,
+                 "median": med, "all": runs, "run": len(runs_meta)})
     run["load_end"] = list(os.getloadavg())
     _write(args, runs_meta, rows)  # after each tree: a partial table survives an interrupted run
 

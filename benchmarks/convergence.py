@@ -47,7 +47,7 @@ selection effect, benchmarks/results/digits_gap.md), so it is judged on others.
 Every run has the same schedule (linear LR warmup over 5% of the run, cosine
 decay to 10%), b1 = 0.9, b2 = 0.999 (optax's defaults), decoupled weight decay
 0.1 on matrices. Communication is what one device sends over the run:
-``onebit_optax.wire_bytes`` summed over the steps, against AdamW's float32 ring
+the state's ``wire_bytes`` summed over the steps, against AdamW's float32 ring
 all-reduce (``allreduce_wire_bytes``).
 
 Communication rounds: steps whose collective carries the model's size (every

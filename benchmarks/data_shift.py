@@ -70,6 +70,7 @@ import _provenance  # noqa: E402
 import _shift_report  # noqa: E402
 
 import onebit_optax  # noqa: E402
+from onebit_optax import _collective  # noqa: E402
 
 N, AXIS = 8, "data"
 B1, B2 = 0.9, 0.999
@@ -159,7 +160,7 @@ class Trainer:
     self.mcfg = lm.ModelConfig(d_model=cfg["d_model"], num_layers=cfg["layers"],
                                num_heads=cfg["heads"], seq_len=cfg["seq_len"])
     self.size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.init(0)))
-    self.allreduce_bytes = float(onebit_optax.allreduce_wire_bytes(self.size, N))
+    self.allreduce_bytes = float(_collective.allreduce_wire_bytes(self.size, N))
     shard = NamedSharding(mesh, P(AXIS))
     self.val = {}
     for name, (_, val) in data.items():

@@ -13,7 +13,7 @@ What is timed: the jitted train step the way a user runs it,
 
 with params and state donated, for ``optax.adam``, 1-bit Adam in warmup
 (``onebit_adam(..., freeze=10**9)``) and 1-bit Adam in the compression phase
-(``freeze=1``, frozen after a few steps: ``onebit_optax.is_frozen``). Why the
+(``freeze=1``, frozen after a few steps: the state's ``frozen``). Why the
 whole step and not ``jax.jit(tx.update, donate_argnums=1)``: jax pairs donated
 buffers with outputs by shape, in order, so there the donated ``mu`` buffer
 goes to the first parameter-shaped output, the *update*, and the new moments
@@ -92,6 +92,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import onebit_optax  # noqa: E402
 
 import _provenance  # noqa: E402  (benchmarks/, the script's directory)
+from optax.tree_utils import tree_get  # noqa: E402
 
 
 LR = 1e-3
@@ -201,7 +202,7 @@ def compare(setting: str, size: int, repeats: int) -> dict:
       params, state = step(params, state, grads)
     jax.block_until_ready((params, state))
     if name != "adam":
-      frozen = bool(onebit_optax.is_frozen(state))
+      frozen = bool(tree_get(state, "frozen"))
       assert frozen == (name == "compression"), (name, frozen)
     contestants[name] = [step, params, state]
   times = {name: [] for name in contestants}
@@ -213,8 +214,8 @@ def compare(setting: str, size: int, repeats: int) -> dict:
       jax.block_until_ready((params, state))
       times[name].append(time.perf_counter() - t)
       c[1], c[2] = params, state
-  assert bool(onebit_optax.is_frozen(contestants["compression"][2]))
-  assert not bool(onebit_optax.is_frozen(contestants["warmup"][2]))
+  assert bool(tree_get(contestants["compression"][2], "frozen"))
+  assert not bool(tree_get(contestants["warmup"][2], "frozen"))
   med = {name: float(np.median(ts)) for name, ts in times.items()}
   del contestants
   return {"setting": setting, "size": size, "repeats": repeats,
@@ -315,7 +316,7 @@ def render(data: dict) -> list:
       "`jax.jit(tx.update, donate_argnums=1)` hands mu's buffer to the *update* output and "
       "writes the new moments to fresh buffers: it measures copies that a real step does not "
       "make. Warmup: `onebit_adam(..., freeze=10**9)`; compression: `freeze=1`, timed after "
-      "the freeze (`is_frozen` checked). 'one device': `axis_name=None` (no communication; "
+      "the freeze (the state's `frozen` checked). 'one device': `axis_name=None` (no communication; "
       "compress, pack, unpack, worker error feedback). 'mesh, per device': a 2-device "
       "`jax.shard_map` on simulated host devices (one thread each, both on the shared 2 cores), "
       "local gradients (`local_params`), state from `init_sharded`/`state_partition_specs`; "

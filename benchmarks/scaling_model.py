@@ -51,7 +51,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import onebit_optax
+from onebit_optax import _collective
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -99,11 +99,11 @@ def adam_comm(d: int, n: int, net: Net) -> float:
   """
   g = min(net.g, n)
   if n <= g:
-    return 2 * (n - 1) * net.alpha_l + onebit_optax.allreduce_wire_bytes(d, n) / net.local
-  flat = 2 * (n - 1) * net.alpha + onebit_optax.allreduce_wire_bytes(d, n) / net.nic
+    return 2 * (n - 1) * net.alpha_l + _collective.allreduce_wire_bytes(d, n) / net.local
+  flat = 2 * (n - 1) * net.alpha + _collective.allreduce_wire_bytes(d, n) / net.nic
   nodes = n // g
-  local = 2 * (g - 1) * net.alpha_l + onebit_optax.allreduce_wire_bytes(d, g) / net.local
-  hier = local + 2 * (nodes - 1) * net.alpha + g * onebit_optax.allreduce_wire_bytes(
+  local = 2 * (g - 1) * net.alpha_l + _collective.allreduce_wire_bytes(d, g) / net.local
+  hier = local + 2 * (nodes - 1) * net.alpha + g * _collective.allreduce_wire_bytes(
       d // g, nodes) / net.nic
   return min(flat, hier)
 
@@ -115,7 +115,7 @@ def flat_comm(d: int, n: int, segments: int, net: Net) -> float:
   the peers is off-node and the g ranks of a node share the NIC: NIC bytes = g b (n-g)/(n-1).
   """
   g = min(net.g, n)
-  b = onebit_optax.compressed_wire_bytes(d, n, segments)
+  b = _collective.compressed_wire_bytes(d, n, segments)
   nic = g * b * (n - g) / (n - 1) / net.nic
   local = b * (g - 1) / (n - 1) / net.local
   alpha = net.alpha if n > g else net.alpha_l
@@ -130,10 +130,10 @@ def hier_comm(d: int, n: int, segments: int, net: Net) -> float:
   """
   g = min(net.g, n)
   nodes = n // g
-  rs = (g - 1) * net.alpha_l + onebit_optax.allreduce_wire_bytes(d, g) / 2 / net.local
+  rs = (g - 1) * net.alpha_l + _collective.allreduce_wire_bytes(d, g) / 2 / net.local
   mid = 0.0
   if nodes > 1:
-    mid = 2 * (nodes - 1) * net.alpha + g * onebit_optax.compressed_wire_bytes(
+    mid = 2 * (nodes - 1) * net.alpha + g * _collective.compressed_wire_bytes(
         d // g, nodes, segments) / net.nic
   ag = (g - 1) * net.alpha_l + (g - 1) * (d / (8 * g) + 4 * segments * nodes) / net.local
   return rs + mid + ag
@@ -255,7 +255,7 @@ def run_layout(run) -> tuple[int, int]:
   if "wire_layout" in run:
     d = int(run["wire_layout"]["padded"])
   else:
-    d = round(s["onebit_warmup"]["state_wire_bytes"] / onebit_optax.allreduce_wire_bytes(1, n))
+    d = round(s["onebit_warmup"]["state_wire_bytes"] / _collective.allreduce_wire_bytes(1, n))
   per_phase = s["onebit_compression"]["state_wire_bytes"] / (2 * (n - 1))
   return d, round((per_phase - d / (8 * n)) / 4)
 
@@ -264,7 +264,7 @@ def warmup_size(run) -> int:
   """Elements the warmup all-reduces: inverts allreduce_wire_bytes (v3: the unpadded tree)."""
   n = run["num_ranks"]
   return round(run["summary"]["onebit_warmup"]["state_wire_bytes"]
-               / onebit_optax.allreduce_wire_bytes(1, n))
+               / _collective.allreduce_wire_bytes(1, n))
 
 
 def validate_run(run, c: Compute) -> list[dict]:

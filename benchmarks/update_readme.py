@@ -172,7 +172,9 @@ def _compile_rows(link) -> list[str]:
     return []
   row = data["rows"][-1]
   zero_one = row.get("zero_one_ratio")
-  return [_row("compile time vs `optax.adam` + `pmean`", f"8 devices, {row['leaves']} leaves",
+  shapes = f" of {row['shapes']} shapes" if row.get("shapes") else " of one shape"
+  return [_row("compile time vs `optax.adam` + `pmean`",
+               f"8 devices, {row['leaves']} leaves{shapes}",
                f"{row['ratio']:.1f}x", NONE if zero_one is None else f"{zero_one:.1f}x",
                f"{link('compile_time')} ({data['runs'][row['run'] - 1]['commit']})")]
 

@@ -22,7 +22,7 @@ documented rule and ``S`` (scales per row) is what remains of ``row_bytes``
 (checked to be a positive integer).
 
 Reported against two baselines: the float32 ring all-reduce of the D real
-parameters, ``onebit_optax.allreduce_wire_bytes(D, n)`` (goal: >= 30x fewer
+parameters, ``_collective.allreduce_wire_bytes(D, n)`` (goal: >= 30x fewer
 bytes), and the packed signs of all D parameters, ``2 (n - 1) D / (8 n)``
 (goal: overhead of scales + padding + exact floats <= 1%).
 
@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import onebit_optax
+from onebit_optax import _collective
 
 DEVICES = (2, 4, 8, 16, 32, 64, 128, 256)
 BLOCK = 128  # elements per block of the packed-sign stream (documented layout rule)
@@ -98,7 +99,7 @@ def measure(tree, threshold: int, n: int) -> dict:
              "exact": 4.0 * exact_chunk}
   total = 2 * (n - 1) * row_bytes
   ideal = 2 * (n - 1) * d / (8 * n)  # packed signs of all D parameters
-  fp32 = onebit_optax.allreduce_wire_bytes(d, n)
+  fp32 = _collective.allreduce_wire_bytes(d, n)
   return {"threshold": threshold, "n": n, "D": d, "compressed_leaves": len(compressed),
           "exact_leaves": exact_leaves, "exact_size": exact_size, "S": scale_bytes // 4,
           "row_bytes": row_bytes, "total": total, "vs_fp32": fp32 / total,

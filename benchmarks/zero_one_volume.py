@@ -50,6 +50,7 @@ import _conv_report  # noqa: E402
 import _conv_tasks  # noqa: E402
 
 import onebit_optax  # noqa: E402
+from onebit_optax import _collective  # noqa: E402
 
 N, AXIS, PEAK_LR = 8, "data", 1e-2
 
@@ -136,7 +137,7 @@ def _val_loss(task, params):
 
 def _run(label, kind, options, task, seeds, mesh):
   init, build = _trainer(kind, options, task, mesh)
-  adam_bytes = onebit_optax.allreduce_wire_bytes(
+  adam_bytes = _collective.allreduce_wire_bytes(
       sum(int(np.prod(np.shape(p))) for p in jax.tree.leaves(task.init_params(jax.random.key(0)))), N)
   step, rows = None, []
   for seed in seeds:

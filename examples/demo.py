@@ -259,7 +259,8 @@ def make_step(tx, mesh, state_specs, onebit: bool, num_params: int):
   # Bytes over the slow (or only) axis: with nodes, plain Adam would all-reduce
   # its 1/L slice across the nodes after a reduce-scatter inside each node.
   local = mesh.shape["local"] if isinstance(axes, tuple) else 1
-  adam_bytes = onebit_optax.allreduce_wire_bytes(num_params / local, mesh.size // local)
+  n = mesh.size // local  # a ring all-reduce sends 2 (n-1)/n of the float32 buffer
+  adam_bytes = 2.0 * (n - 1) / n * 4 * num_params / local
 
   @jax.jit
   @functools.partial(
@@ -272,7 +273,9 @@ def make_step(tx, mesh, state_specs, onebit: bool, num_params: int):
     loss, grads = jax.value_and_grad(loss_fn)(onebit_optax.local_params(params, axes), x, y)
     if onebit:
       updates, opt_state = tx.update(grads, opt_state, params)
-      sent = onebit_optax.wire_bytes(opt_state)
+      # The state's own count of this step's bytes; inside jit, read a field of the
+      # state with optax.tree_utils.tree_get (onebit_optax.status reads them on the host).
+      sent = optax.tree_utils.tree_get(opt_state, "wire_bytes")
     else:
       # Plain data-parallel Adam: one float32 all-reduce of the gradients.
       grads = jax.lax.pmean(grads, axes)
@@ -346,13 +349,13 @@ def train(name: str, args, mesh, data, lr_warmup: int):
         # serialise the host loop with the computation.
         postfix = {"loss": f"{float(loss):.3f}"}
         if onebit:
-          frozen = bool(onebit_optax.is_frozen(opt_state))
-          postfix["phase"] = "compression" if frozen else "warmup"
+          status = onebit_optax.status(opt_state, freeze)
+          postfix["phase"] = status.phase
           # After the freeze the ratio is no longer measured: this is its value
           # at the freeze.
-          postfix["var_ratio"] = f"{float(onebit_optax.variance_ratio(opt_state)):.3f}"
-          if frozen:
-            postfix["froze_after"] = int(onebit_optax.freeze_step(opt_state))
+          postfix["var_ratio"] = f"{status.variance_ratio:.3f}"
+          if status.frozen:
+            postfix["froze_after"] = status.freeze_step
         bar.set_postfix(postfix, refresh=False)
   jax.block_until_ready(params)
   seconds = time.perf_counter() - start
@@ -375,11 +378,12 @@ def train(name: str, args, mesh, data, lr_warmup: int):
       "status": None,
   }
   if onebit:
-    froze_at = int(onebit_optax.freeze_step(opt_state))
-    if bool(onebit_optax.is_frozen(opt_state)):
+    status = onebit_optax.status(opt_state, freeze, params=params)
+    if status.frozen:
+      froze_at = status.freeze_step
       result["froze_at"] = froze_at
       result["compress_bytes"] = float(sent[froze_at]) if froze_at < args.steps else None
-    result["status"] = onebit_optax.status(opt_state, freeze, params=params)
+    result["status"] = status
   return result
 
 

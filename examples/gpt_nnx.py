@@ -35,8 +35,10 @@ Three things make 1-bit Adam work with NNX (see ``build_steps``):
    Clipping happens on the local gradient with ``onebit_optax.clip_by_global_norm``,
    whose factor is agreed across devices (one scalar all-reduce), so Adam and
    1-bit Adam's warmup see the same clipped mean gradient.
-3. The accessors (``is_frozen``...) take ``nnx.as_pure(optimizer.opt_state)``:
-   NNX wraps every optimizer-state leaf in a ``Variable``.
+3. The step reads the state's counters inside ``jit`` with
+   ``optax.tree_utils.tree_get`` on ``nnx.as_pure(optimizer.opt_state)`` (NNX
+   wraps every optimizer-state leaf in a ``Variable``); on the host,
+   ``onebit_optax.status(optimizer.opt_state)`` summarises the same fields.
 """
 
 from __future__ import annotations
@@ -219,10 +221,9 @@ def build_steps(mesh, tx, onebit: bool, clip: float = 0.0):
     stats = {"loss": jax.lax.pmean(loss, AXIS)}
     if onebit:
       state = nnx.as_pure(optimizer.opt_state)
-      stats.update(frozen=onebit_optax.is_frozen(state),
-                   freeze_step=onebit_optax.freeze_step(state),
-                   ratio=onebit_optax.variance_ratio(state),
-                   wire_bytes=onebit_optax.wire_bytes(state))
+      field = lambda name: optax.tree_utils.tree_get(state, name)  # traced, inside jit
+      stats.update(frozen=field("frozen"), freeze_step=field("freeze_step"),
+                   ratio=field("variance_ratio"), wire_bytes=field("wire_bytes"))
     return stats
 
   @nnx.jit
@@ -265,7 +266,8 @@ def main(argv=None) -> dict:
               for w in val_windows]
     return float(np.mean(jax.device_get(losses)))
 
-  allreduce_bytes = onebit_optax.allreduce_wire_bytes(num_params, args.devices)
+  # Adam's bytes per device per step: a float32 ring all-reduce sends 2 (n-1)/n of the buffer.
+  allreduce_bytes = 2.0 * (args.devices - 1) / args.devices * 4 * num_params
   start = time.perf_counter()
   val_history = [(0, evaluate())]
   train_losses, ratio_history, sent_bytes, stats = [], [], 0.0, {}

@@ -184,9 +184,8 @@ over.
 schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 50, STEPS, end_value=1e-3)
 adam = optax.adam(schedule)
 INTERVAL = 50  # Δ: steps between two checks of the variance ratio
-onebit = onebit_optax.onebit_adam(
-    schedule, axis_name='data',
-    freeze=onebit_optax.variance_ratio_freeze(min_steps=50, interval=INTERVAL))
+freeze = onebit_optax.variance_ratio_freeze(min_steps=50, interval=INTERVAL)
+onebit = onebit_optax.onebit_adam(schedule, axis_name='data', freeze=freeze)
 
 
 def train(tx, *, is_onebit):
@@ -213,11 +212,13 @@ def train(tx, *, is_onebit):
     # Fetching the logged values waits for the step. Besides logging, this keeps JAX from
     # queueing hundreds of steps ahead, which on simulated CPU devices can starve XLA's
     # collective rendezvous (it aborts after 40 s) on a busy machine.
+    # The state's fields (found with optax.tree_utils.tree_get, also inside jit): the last
+    # variance ratio and the bytes this device sent in the step.
     if is_onebit:
-      logs.append(jax.device_get(
-          (loss, onebit_optax.variance_ratio(opt_state), onebit_optax.wire_bytes(opt_state))))
-    else:
-      logs.append((jax.device_get(loss), np.nan, onebit_optax.allreduce_wire_bytes(num_params, n)))
+      get = functools.partial(optax.tree_utils.tree_get, opt_state)
+      logs.append(jax.device_get((loss, get('variance_ratio'), get('wire_bytes'))))
+    else:  # a float32 ring all-reduce: each device sends 2 (n-1)/n of the gradients
+      logs.append((jax.device_get(loss), np.nan, 2 * (n - 1) / n * 4 * num_params))
   loss, ratio, sent = (np.asarray(v, np.float64) for v in zip(*logs))
   val_loss = float(loss_fn(jax.device_get(params), val_x, val_y))
   print(f'{"1-bit Adam" if is_onebit else "Adam":>10}: {STEPS} steps in '
@@ -227,9 +228,10 @@ def train(tx, *, is_onebit):
 
 adam_run = train(adam, is_onebit=False)
 onebit_run = train(onebit, is_onebit=True)
-T0 = int(onebit_optax.freeze_step(onebit_run['opt_state']))
+status = onebit_optax.status(onebit_run['opt_state'], freeze)  # on the host, for logs
+T0 = status.freeze_step or 0  # None: never froze
 print(f'1-bit Adam froze the variance after step {T0} '
-      f'(variance ratio {float(onebit_optax.variance_ratio(onebit_run["opt_state"])):.3f})')
+      f'(variance ratio {status.variance_ratio:.3f})')
 """),
     ("code", r"""
 def smooth(v, k=25):
@@ -280,9 +282,9 @@ training or less. On simulated CPU devices the wall time says nothing about the 
 
 The whole recipe, on a toy regression so that it runs on its own: replicate the parameters,
 `init_sharded` the optimizer state, shard it with `state_partition_specs`, take gradients with
-respect to `local_params`, and let `tx.update` do the communication. The accessors (`is_frozen`,
-`freeze_step`, `variance_ratio`, `wire_bytes`) work on any optimizer state that contains 1-bit
-Adam. For `jax.pmap` and multi-host training, see the docs:
+respect to `local_params`, and let `tx.update` do the communication. `onebit_optax.status` reads
+any optimizer state that contains 1-bit Adam (or 0/1 Adam) on the host: the phase, the freeze step,
+the bytes sent. For `jax.pmap` and multi-host training, see the docs:
 [docs/getting_started.md](../docs/getting_started.md) (the pmap recipe) and
 [docs/guides/multihost.md](../docs/guides/multihost.md).
 """),
@@ -290,7 +292,8 @@ Adam. For `jax.pmap` and multi-host training, see the docs:
 def my_loss(params, x, y):
   return jnp.mean((x @ params['w'] + params['b'] - y) ** 2)
 
-tx = onebit_optax.onebit_adam(5e-2, axis_name='data', freeze=onebit_optax.fixed_step_freeze(20))
+freeze = onebit_optax.fixed_step_freeze(20)
+tx = onebit_optax.onebit_adam(5e-2, axis_name='data', freeze=freeze)
 params = jax.device_put({'w': jnp.zeros((16, 1)), 'b': jnp.zeros(1)}, NamedSharding(mesh, P()))
 opt_state = onebit_optax.init_sharded(tx, params, mesh)
 specs = onebit_optax.state_partition_specs(opt_state, 'data')  # per-device buffers: P('data')
@@ -310,9 +313,9 @@ for _ in range(100):
   batch = jax.device_put((x, x @ w_true), NamedSharding(mesh, P('data')))  # each device: its rows
   params, opt_state, loss = train_step(params, opt_state, *batch)
   loss = float(loss)  # log (and wait for the step: see the training loop above)
-print(f'recipe: loss {loss:.4f}, frozen={bool(onebit_optax.is_frozen(opt_state))} after '
-      f'step {int(onebit_optax.freeze_step(opt_state))}, '
-      f'{float(onebit_optax.wire_bytes(opt_state)):,.0f} bytes per device in the last step')
+status = onebit_optax.status(opt_state, freeze)
+print(f'recipe: loss {loss:.4f}, frozen={status.frozen} after step {status.freeze_step}, '
+      f'{status.last_step_bytes:,.0f} bytes per device in the last step')
 """),
 ]
 

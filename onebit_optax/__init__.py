@@ -6,33 +6,18 @@ from onebit_optax._accumulate import clip_by_global_norm
 from onebit_optax._checkpoint import abstract_state
 from onebit_optax._checkpoint import restore_checkpoint
 from onebit_optax._checkpoint import save_checkpoint
-from onebit_optax._collective import allreduce_wire_bytes
-from onebit_optax._collective import compressed_mean
-from onebit_optax._compressed_updates import compressed_mean_updates
-from onebit_optax._compressed_updates import CompressedMeanState
-from onebit_optax._compressed_updates import compressed_trace
-from onebit_optax._compressed_updates import CompressedTraceState
-from onebit_optax._collective import compressed_wire_bytes
-from onebit_optax._compressor import padded_size
-from onebit_optax._compressor import sign_compress
-from onebit_optax._compressor import sign_decompress
 from onebit_optax._freeze import DefaultFreezeWarning
 from onebit_optax._guards import LocalClippingWarning
 from onebit_optax._freeze import FixedStepFreeze
 from onebit_optax._freeze import fixed_step_freeze
 from onebit_optax._freeze import VarianceRatioFreeze
 from onebit_optax._freeze import variance_ratio_freeze
-from onebit_optax._accessors import freeze_step
-from onebit_optax._accessors import is_frozen
 from onebit_optax._bounded import adam_update_bound
 from onebit_optax._onebit_adam import onebit_adam
 from onebit_optax._onebit_adam import scale_by_onebit_adam
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 from onebit_optax._partition import mean_updates
 from onebit_optax._partition import set_to_zero
-from onebit_optax._accessors import skipped_steps
-from onebit_optax._accessors import variance_ratio
-from onebit_optax._accessors import wire_bytes
 from onebit_optax._sharding import init_sharded
 from onebit_optax._sharding import local_params
 from onebit_optax._sharding import model_replicated
@@ -53,26 +38,16 @@ __all__ = (
     "assert_replicas_identical",
     "accumulate_gradients",
     "clip_by_global_norm",
-    "allreduce_wire_bytes",
-    "compressed_mean",
-    "compressed_mean_updates",
-    "CompressedMeanState",
-    "compressed_trace",
-    "CompressedTraceState",
-    "compressed_wire_bytes",
     "DefaultFreezeWarning",
     "fixed_step_freeze",
     "FixedStepFreeze",
-    "freeze_step",
     "init_sharded",
-    "is_frozen",
     "LocalClippingWarning",
     "local_params",
     "mean_updates",
     "model_replicated",
     "moments",
     "onebit_adam",
-    "padded_size",
     "replicas_identical",
     "restore_checkpoint",
     "save_checkpoint",
@@ -81,15 +56,10 @@ __all__ = (
     "ScaleByOnebitAdamState",
     "scale_by_zero_one_adam",
     "ScaleByZeroOneAdamState",
-    "sign_compress",
-    "skipped_steps",
-    "sign_decompress",
     "state_partition_specs",
     "Status",
     "status",
-    "variance_ratio",
     "variance_ratio_freeze",
     "VarianceRatioFreeze",
-    "wire_bytes",
     "zero_one_adam",
 )

@@ -1,4 +1,9 @@
-"""Reading a 1-bit Adam state: the phase, counters, and the moments as trees."""
+"""Reading an optimizer state: the moments as trees.
+
+The phase and the counters are read on the host with :func:`onebit_optax.status`;
+inside ``jit`` they are the state's fields (``optax.tree_utils.tree_get(opt_state,
+"frozen")``).
+"""
 
 from __future__ import annotations
 
@@ -8,33 +13,22 @@ import numpy as np
 
 from onebit_optax import _layout
 from onebit_optax import _wire
-from onebit_optax import _zero_one_sharding
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 
-__all__ = ["is_frozen", "freeze_step", "variance_ratio", "wire_bytes", "skipped_steps",
-           "moments"]
+__all__ = ["moments"]
 
 
-def _find_state(opt_state, kinds=(ScaleByOnebitAdamState,)):
+def _find_state(opt_state, kinds):
   """The one state of ``kinds`` inside ``opt_state``."""
   found = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, kinds))
            if isinstance(s, kinds)]
-  if not found and ScaleByZeroOneAdamState not in kinds and _zero_one_sharding.find(opt_state):
-    raise ValueError(
-        "This reads 1-bit Adam's freeze (is_frozen, freeze_step, variance_ratio); the state "
-        "is 0/1 Adam's, whose variance freezes at the var_freeze_step it was built with (the "
-        "state does not record it): read onebit_optax.status(opt_state, "
-        "var_freeze_step=...).frozen and .phase instead.")
   if len(found) != 1:
-    names = " or ".join("1-bit Adam" if k is ScaleByOnebitAdamState else "0/1 Adam"
-                        for k in kinds)
-    makers = ("onebit_adam / scale_by_onebit_adam" if len(kinds) == 1 else
-              "onebit_adam, zero_one_adam or their scale_by_ transformations")
     raise ValueError(
-        f"Expected exactly one {names} state inside the optimizer state, found "
-        f"{len(found)}. Pass the state returned by {makers} "
-        "(possibly wrapped by optax.chain, inject_hyperparams, masked, ...).")
+        f"Expected exactly one 1-bit Adam or 0/1 Adam state inside the optimizer state, "
+        f"found {len(found)}. Pass the state returned by onebit_adam, zero_one_adam or their "
+        "scale_by_ transformations (possibly wrapped by optax.chain, inject_hyperparams, "
+        "masked, ...).")
   return found[0]
 
 
@@ -51,114 +45,6 @@ def _plain(x):
   if hasattr(x, "get_value"):
     return x.get_value()
   return x.value if type(x).__name__ == "Variable" or hasattr(type(x), "value") else x
-
-
-def is_frozen(opt_state) -> jax.Array:
-  """True once the variance is frozen (compression phase). Accepts any state containing one.
-
-  Args:
-    opt_state: the optimizer state, or any optax state that contains exactly one
-      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
-      ``masked``, ...). Under ``pmap`` fields carry the device axis.
-
-  Returns:
-    A bool scalar array: the phase the *next* step will run.
-
-  Example:
-    >>> import jax.numpy as jnp, onebit_optax
-    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
-    >>> bool(onebit_optax.is_frozen(tx.init({'w': jnp.ones(2)})))
-    False
-  """
-  return _plain(_find_state(opt_state).frozen)
-
-
-def freeze_step(opt_state) -> jax.Array:
-  """The last warmup step (the variance is frozen after it); 0 while still warming up.
-
-  Args:
-    opt_state: the optimizer state, or any optax state that contains exactly one
-      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
-      ``masked``, ...). Under ``pmap`` fields carry the device axis.
-
-  Returns:
-    An int32 scalar array :math:`T_0` (the frozen variance is :math:`v_{T_0}`).
-
-  Example:
-    >>> import jax.numpy as jnp, onebit_optax
-    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
-    >>> int(onebit_optax.freeze_step(tx.init({'w': jnp.ones(2)})))
-    0
-  """
-  return _plain(_find_state(opt_state).freeze_step)
-
-
-def variance_ratio(opt_state) -> jax.Array:
-  r"""The last measured :math:`\lVert\hat v_t\rVert_1 / \lVert\hat v_{t-\Delta}\rVert_1` (NaN before the first).
-
-  Args:
-    opt_state: the optimizer state, or any optax state that contains exactly one
-      :class:`ScaleByOnebitAdamState` (``optax.chain``, ``inject_hyperparams``,
-      ``masked``, ...). Under ``pmap`` fields carry the device axis.
-
-  Returns:
-    A float32 scalar array, measured every :math:`\Delta` warmup steps (see
-    :func:`variance_ratio_freeze`); it stops moving once frozen.
-
-  Example:
-    >>> import jax.numpy as jnp, onebit_optax
-    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
-    >>> float(onebit_optax.variance_ratio(tx.init({'w': jnp.ones(2)})))
-    nan
-  """
-  return _plain(_find_state(opt_state).variance_ratio)
-
-
-def wire_bytes(opt_state) -> jax.Array:
-  r"""Bytes this device sent on the wire in the last step (ring model for the all-reduce).
-
-  Args:
-    opt_state: the optimizer state, or any optax state that contains exactly one
-      :class:`ScaleByOnebitAdamState` or :class:`ScaleByZeroOneAdamState`
-      (``optax.chain``, ``inject_hyperparams``, ``masked``, ...). Under ``pmap``
-      fields carry the device axis.
-
-  Returns:
-    A float32 scalar array: :math:`2\frac{n-1}{n}\,4D` for the float32
-    all-reduce of warmup (0/1 Adam: a variance step), the 1-bit exchange's bytes
-    in compression (0/1 Adam: a compressed step or a sync), 0 for a 0/1 Adam
-    local step and on one device.
-
-  Example:
-    >>> import jax.numpy as jnp, onebit_optax
-    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
-    >>> float(onebit_optax.wire_bytes(tx.init({'w': jnp.ones(2)})))
-    0.0
-  """
-  return _plain(_find_state(opt_state, _EITHER).wire_bytes)
-
-
-def skipped_steps(opt_state) -> jax.Array:
-  """How many steps were skipped on all devices because a gradient was not finite.
-
-  Args:
-    opt_state: the optimizer state, or any optax state that contains exactly one
-      :class:`ScaleByOnebitAdamState` or :class:`ScaleByZeroOneAdamState`
-      (``optax.chain``, ``inject_hyperparams``, ``masked``, ...). Under ``pmap``
-      fields carry the device axis.
-
-  Returns:
-    An int32 scalar array.
-
-  Example:
-    >>> import jax.numpy as jnp, onebit_optax
-    >>> tx = onebit_optax.onebit_adam(1e-3, axis_name=None)
-    >>> state = tx.init({'w': jnp.ones(2)})
-    >>> _, state = tx.update({'w': jnp.array([1.0, jnp.nan])}, state)
-    >>> int(onebit_optax.skipped_steps(state))
-    1
-  """
-  return _plain(_find_state(opt_state, _EITHER).skipped_steps)
 
 
 def _layout_of(params, message, num_compressed: int) -> _layout.WireLayout:

@@ -234,8 +234,8 @@ def allreduce_wire_bytes(size: int, num_devices: int, itemsize: int = 4) -> floa
     Bytes sent per device, as a float.
 
   Example:
-    >>> import onebit_optax
-    >>> onebit_optax.allreduce_wire_bytes(1_000_000, 8)
+    >>> from onebit_optax import _collective
+    >>> _collective.allreduce_wire_bytes(1_000_000, 8)
     7000000.0
 
   References:
@@ -270,8 +270,8 @@ def compressed_wire_bytes(padded: int, num_devices: int, max_segments: int = 1) 
     Bytes sent per device, as a float.
 
   Example:
-    >>> import onebit_optax
-    >>> onebit_optax.compressed_wire_bytes(onebit_optax.padded_size(1_000_000, 8), 8)
+    >>> from onebit_optax import _collective, _compressor
+    >>> _collective.compressed_wire_bytes(_compressor.padded_size(1_000_000, 8), 8)
     218806.0
 
   References:
@@ -391,9 +391,9 @@ def compressed_mean(
 
   Example:
     >>> import jax.numpy as jnp
-    >>> import onebit_optax
+    >>> from onebit_optax import _collective
     >>> x = jnp.linspace(-1.0, 1.0, 16)
-    >>> mean, we, se = onebit_optax.compressed_mean(
+    >>> mean, we, se = _collective.compressed_mean(
     ...     x, jnp.zeros(16), jnp.zeros(16), axis_name=None)
     >>> mean.shape, we.shape, se.shape
     ((16,), (16,), (16,))
@@ -414,7 +414,7 @@ def _vector_layout(d: int, n: int) -> _layout.FlatLayout:
   if d % (8 * n) or d == 0:
     raise ValueError(
         f"compressed_mean needs a length that is a positive multiple of 8 * {n} = {8 * n}, "
-        f"got {d}: pad x with zeros to onebit_optax.padded_size({d}, {n}) = "
+        f"got {d}: pad x with zeros to padded_size({d}, {n}) = "
         f"{_compressor.padded_size(max(d, 1), n)} elements.")
   return _layout.cached_layout(((d,),), n, math.gcd(d // n, _layout.BLOCK))
 

@@ -1,4 +1,8 @@
-"""The 1-bit compressed mean as a standalone Optax transformation (error-feedback 1-bit SGD)."""
+"""The 1-bit compressed mean as a standalone Optax transformation (error-feedback 1-bit SGD).
+
+Not part of the public API (the product is the two optimizers): the tests (the reference
+simulation, 1-bit momentum SGD) and the benchmarks import it from here.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ class CompressedMeanState(NamedTuple):
   replicated.
 
   Example:
-    >>> import jax.numpy as jnp, onebit_optax
-    >>> state = onebit_optax.compressed_mean_updates(None).init({'w': jnp.ones(3)})
+    >>> import jax.numpy as jnp
+    >>> from onebit_optax import _compressed_updates
+    >>> state = _compressed_updates.compressed_mean_updates(None).init({'w': jnp.ones(3)})
     >>> state.worker_error.shape, state.server_error.shape
     ((1, 128), (1, 128))
 
@@ -80,8 +85,9 @@ def compressed_mean_updates(
     :func:`state_partition_specs`.
 
   Example:
-    >>> import jax.numpy as jnp, optax, onebit_optax
-    >>> tx = optax.chain(onebit_optax.compressed_mean_updates(None), optax.scale(-0.1))
+    >>> import jax.numpy as jnp, optax
+    >>> from onebit_optax import _compressed_updates
+    >>> tx = optax.chain(_compressed_updates.compressed_mean_updates(None), optax.scale(-0.1))
     >>> state = tx.init({'w': jnp.zeros(3)})
     >>> updates, state = tx.update({'w': jnp.array([1.0, -2.0, 3.0])}, state)
     >>> updates['w']  # one scale per leaf: the RMS of the update, with its signs
@@ -138,8 +144,9 @@ class CompressedTraceState(NamedTuple):
   """State for :func:`compressed_trace`: the averaged momentum and the compressor's errors.
 
   Example:
-    >>> import jax.numpy as jnp, onebit_optax
-    >>> state = onebit_optax.compressed_trace(0.9, None).init({'w': jnp.ones(3)})
+    >>> import jax.numpy as jnp
+    >>> from onebit_optax import _compressed_updates
+    >>> state = _compressed_updates.compressed_trace(0.9, None).init({'w': jnp.ones(3)})
     >>> state.trace['w'].shape, state.mean.worker_error.shape
     ((3,), (1, 128))
   """
@@ -186,8 +193,9 @@ def compressed_trace(
     :func:`state_partition_specs` (the momentum is replicated).
 
   Example:
-    >>> import jax.numpy as jnp, optax, onebit_optax
-    >>> tx = optax.chain(onebit_optax.compressed_trace(0.9, None), optax.scale(-0.1))
+    >>> import jax.numpy as jnp, optax
+    >>> from onebit_optax import _compressed_updates
+    >>> tx = optax.chain(_compressed_updates.compressed_trace(0.9, None), optax.scale(-0.1))
     >>> state = tx.init({'w': jnp.zeros(3)})
     >>> updates, state = tx.update({'w': jnp.array([1.0, -2.0, 3.0])}, state)
     >>> updates['w']

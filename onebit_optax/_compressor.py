@@ -31,8 +31,8 @@ def padded_size(size: int, num_devices: int = 1) -> int:
     The smallest multiple of ``8 * num_devices`` that is ``>= size``.
 
   Example:
-    >>> import onebit_optax
-    >>> onebit_optax.padded_size(1000, num_devices=8)
+    >>> from onebit_optax import _compressor
+    >>> _compressor.padded_size(1000, num_devices=8)
     1024
 
   References:
@@ -78,11 +78,11 @@ def sign_compress(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> import onebit_optax
-    >>> packed, scale = onebit_optax.sign_compress(jnp.array([3., -4., 0., 1.]))
+    >>> from onebit_optax import _compressor
+    >>> packed, scale = _compressor.sign_compress(jnp.array([3., -4., 0., 1.]))
     >>> packed.dtype, packed.shape, float(scale)
     (dtype('uint8'), (1,), 2.5495...)
-    >>> onebit_optax.sign_decompress(packed, scale, 4)
+    >>> _compressor.sign_decompress(packed, scale, 4)
     Array([ 2.5495..., -2.5495...,  2.5495...,  2.5495...], dtype=float32)
 
   References:
@@ -116,8 +116,8 @@ def sign_decompress(packed: jax.Array, scale: jax.Array, size: int) -> jax.Array
 
   Example:
     >>> import jax.numpy as jnp
-    >>> import onebit_optax
-    >>> onebit_optax.sign_decompress(jnp.array([0b101], jnp.uint8), 2.0, 3)
+    >>> from onebit_optax import _compressor
+    >>> _compressor.sign_decompress(jnp.array([0b101], jnp.uint8), 2.0, 3)
     Array([ 2., -2.,  2.], dtype=float32)
 
   References:

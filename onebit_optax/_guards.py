@@ -180,7 +180,7 @@ _WRAPPER_ADVICE = {
         "it decides on each device's local gradient, so devices can take different "
         "branches around the collectives (a deadlock), and under shard_map it does not "
         "trace. 1-bit Adam already skips non-finite steps, on all devices together "
-        "(skip_nonfinite=True; onebit_optax.skipped_steps(state) counts them): drop the "
+        "(skip_nonfinite=True; onebit_optax.status(state).skipped_steps counts them): drop the "
         "wrapper."),
 }
 

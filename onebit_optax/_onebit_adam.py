@@ -631,7 +631,7 @@ def scale_by_onebit_adam(
     axis_name: the data-parallel axis of ``shard_map``/``pmap``, or None; or a
       pair ``(slow, fast)`` such as ``('node', 'local')`` for hierarchical
       averaging: float32 over the fast axis (inside a node), 1 bit over the slow
-      one (see :func:`compressed_mean`).
+      one (see ``docs/guides/hierarchical.md``).
     freeze: when to switch: :func:`variance_ratio_freeze` (default, with
       ``min_steps=0``) or :func:`fixed_step_freeze` (an int ``k`` means
       ``fixed_step_freeze(k)``). Left at None with an ``axis_name``, a
@@ -673,8 +673,8 @@ def scale_by_onebit_adam(
     >>> params = {'w': jnp.ones(3)}
     >>> state = tx.init(params)
     >>> updates, state = tx.update({'w': jnp.array([1., -2., 3.])}, state)
-    >>> bool(onebit_optax.is_frozen(state)), int(onebit_optax.freeze_step(state))
-    (True, 1)
+    >>> state.frozen, state.freeze_step
+    (Array(True, dtype=bool), Array(1, dtype=int32))
 
   References:
     Tang et al., `1-bit Adam: Communication Efficient Large-Scale Training with
@@ -794,7 +794,7 @@ def onebit_adam(
     ...   return optax.apply_updates(params, updates), state
     >>> for _ in range(40):
     ...   params, state = step(params, state)
-    >>> bool(onebit_optax.is_frozen(state)), bool(jnp.all(jnp.abs(params) < 1.0))
+    >>> onebit_optax.status(state, 20).frozen, bool(jnp.all(jnp.abs(params) < 1.0))
     (True, True)
 
   References:

@@ -90,10 +90,9 @@ def mean_updates(axis_name: Optional[Hashable]) -> optax.GradientTransformationE
     \bar g_t = \frac1n \sum_{i=1}^{n} g_{i,t},
 
   one ``jax.lax.pmean`` per leaf (XLA's all-reduce combiner merges them),
-  ``2 (n-1)/n \cdot 4`` bytes per element per device on a ring
-  (:func:`allreduce_wire_bytes`). The result is typed replicated, so the
-  parameters it updates can be returned with ``out_specs=P()``. It is the
-  full-precision counterpart of :func:`compressed_mean_updates`.
+  ``2 (n-1)/n \cdot 4`` bytes per element per device on a ring. The result is
+  typed replicated, so the parameters it updates can be returned with
+  ``out_specs=P()``.
 
   Args:
     axis_name: the data-parallel axis of ``shard_map``/``pmap`` (or a tuple of

@@ -111,8 +111,8 @@ def main():
   info = {
       "process_count": jax.process_count(),
       "device_count": jax.device_count(),
-      "frozen": bool(host(onebit_optax.is_frozen(opt_state))),
-      "freeze_step": int(host(onebit_optax.freeze_step(opt_state))),
+      "frozen": bool(host(optax.tree_utils.tree_get(opt_state, "frozen"))),
+      "freeze_step": int(host(optax.tree_utils.tree_get(opt_state, "freeze_step"))),
       "steps": args.steps,
   }
   print(f"process {jax.process_index()}/{jax.process_count()} devices "

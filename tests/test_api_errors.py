@@ -10,6 +10,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
+from onebit_optax import _collective
+import _fields
 import _flat
 
 N = 8
@@ -155,10 +157,12 @@ def test_state_made_for_another_device_count(mesh):
                 "'server_error': None", "'server_error': (1, ")
 
 
-def test_accessors_on_a_state_without_onebit_adam():
-  with pytest.raises(ValueError) as excinfo:
-    onebit_optax.is_frozen(optax.adam(1e-3).init({"w": jnp.ones(2)}))
-  _assert_words(excinfo, "found 0", "onebit_adam")
+def test_readers_on_a_state_without_onebit_adam():
+  params = {"w": jnp.ones(2)}
+  for read in (lambda s: onebit_optax.moments(s, params), onebit_optax.status):
+    with pytest.raises(ValueError) as excinfo:
+      read(optax.adam(1e-3).init(params))
+    _assert_words(excinfo, "found 0", "onebit_adam")
 
 
 # --- The freeze argument ------------------------------------------------------------------
@@ -183,14 +187,14 @@ def test_freeze_step_below_one(freeze):
 
 def test_compressed_mean_length_not_a_multiple_of_8():
   with pytest.raises(ValueError) as excinfo:
-    onebit_optax.compressed_mean(jnp.ones(12), jnp.zeros(12), jnp.zeros(12), axis_name=None)
+    _collective.compressed_mean(jnp.ones(12), jnp.zeros(12), jnp.zeros(12), axis_name=None)
   _assert_words(excinfo, "multiple of 8", "got 12", "padded_size(12, 1) = 16")
 
 
 def test_compressed_mean_length_not_a_multiple_of_8n(mesh):
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
   def mean(x):
-    return onebit_optax.compressed_mean(x, jnp.zeros_like(x), x[:1], axis_name="data")[0]
+    return _collective.compressed_mean(x, jnp.zeros_like(x), x[:1], axis_name="data")[0]
 
   with pytest.raises(ValueError) as excinfo:
     # 8 elements per device: not a multiple of 8 * 8.
@@ -202,19 +206,19 @@ def test_compressed_mean_length_not_a_multiple_of_8n(mesh):
                                jnp.ones(16, jnp.int32), jnp.ones((2, 8), jnp.float32)])
 def test_compressed_mean_wants_a_flat_float32_vector(x):
   with pytest.raises(ValueError) as excinfo:
-    onebit_optax.compressed_mean(x, jnp.zeros(16), jnp.zeros(16), axis_name=None)
+    _collective.compressed_mean(x, jnp.zeros(16), jnp.zeros(16), axis_name=None)
   _assert_words(excinfo, "flat float32 vector", "ravel and cast")
 
 
 def test_compressed_mean_error_buffer_shapes():
   with pytest.raises(ValueError) as excinfo:
-    onebit_optax.compressed_mean(jnp.ones(16), jnp.zeros(8), jnp.zeros(16), axis_name=None)
+    _collective.compressed_mean(jnp.ones(16), jnp.zeros(8), jnp.zeros(16), axis_name=None)
   _assert_words(excinfo, "worker_error must have shape (16,)", "server_error (16,)")
 
 
 def test_compressed_mean_outside_shard_map():
   with pytest.raises(ValueError) as excinfo:
-    onebit_optax.compressed_mean(jnp.ones(64), jnp.zeros(64), jnp.zeros(8), axis_name="data")
+    _collective.compressed_mean(jnp.ones(64), jnp.zeros(64), jnp.zeros(8), axis_name="data")
   _assert_words(excinfo, "compressed_mean", "'data'", "shard_map")
 
 
@@ -273,7 +277,7 @@ def _check_training(params, targets, history, state):
   for t, expected in enumerate(_adam_reference(params, targets)):
     for got, want in zip(jax.tree.leaves(history), jax.tree.leaves(expected)):
       np.testing.assert_allclose(np.asarray(got)[t], want, rtol=1e-5, atol=1e-6)
-  assert bool(onebit_optax.is_frozen(state)) and int(onebit_optax.freeze_step(state)) == K
+  assert bool(_fields.field(state, "frozen")) and int(_fields.field(state, "freeze_step")) == K
   optimum = [np.mean(np.asarray(t), axis=0) for t in jax.tree.leaves(targets)]
   for p0, h in zip(leaves0, jax.tree.leaves(history)):
     assert h.shape == (STEPS,) + p0.shape and np.all(np.isfinite(h))
@@ -359,4 +363,4 @@ def test_zero_size_and_scalar_leaves_single_device():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
     params = jax.tree.map(lambda p, u: p + u, params, updates)
-  assert bool(onebit_optax.is_frozen(state))
+  assert bool(_fields.field(state, "frozen"))

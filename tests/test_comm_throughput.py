@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import onebit_optax
+from onebit_optax import _collective
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _comm_worker as worker  # noqa: E402
@@ -57,6 +57,6 @@ def test_predicted_bytes_per_phase_are_the_package_functions():
   params = sum(int(np.prod(s)) for s in shapes)
   pred = ct._zero_one_predicted(params, shapes, 4)
   layout = ct._layout(shapes, 4)
-  assert pred["variance"] == onebit_optax.allreduce_wire_bytes(params, 4)
+  assert pred["variance"] == _collective.allreduce_wire_bytes(params, 4)
   assert pred["compressed"] == pred["sync"] == 2 * 3 * layout.row_bytes
   assert pred["local"] == 0.0

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
+import _fields
 import _flat
 
 N = 8
@@ -142,13 +143,13 @@ def test_inject_hyperparams_with_schedule_compiles_once(mesh, freeze):
   # P(None,), an equivalent sharding; that costs no compile.)
   assert (traces, compiles) == (1, 1)
   for t, state in enumerate(states, start=1):
-    assert bool(onebit_optax.is_frozen(state)) == (t >= K), t
-    assert int(onebit_optax.freeze_step(state)) == (K if t >= K else 0)
+    assert bool(_fields.field(state, "frozen")) == (t >= K), t
+    assert int(_fields.field(state, "freeze_step")) == (K if t >= K else 0)
     # The learning rate used by step t.
     np.testing.assert_allclose(state.hyperparams["learning_rate"], SCHEDULE(t - 1), rtol=1e-6)
     if t > K:
-      assert float(onebit_optax.wire_bytes(state)) == _flat.onebit_compressed_bytes(SIZES, N)
-  assert np.isnan(float(onebit_optax.variance_ratio(states[0])))
+      assert float(_fields.field(state, "wire_bytes")) == _flat.onebit_compressed_bytes(SIZES, N)
+  assert np.isnan(float(_fields.field(states[0], "variance_ratio")))
   # Warmup is Adam on the mean gradient with the scheduled learning rate.
   expected = _reference(params, x, y, optax.inject_hyperparams(optax.adam)(
       learning_rate=SCHEDULE), K)
@@ -168,8 +169,8 @@ def test_clip_then_onebit_adam(mesh):
   expected = _reference(params, x, y, optax.adam(5e-2), K,
                         preprocess=lambda g: jax.tree.map(lambda a: jnp.clip(a, -1.0, 1.0), g))
   _assert_trees_close(history[:K], expected, rtol=1e-5, atol=1e-6)
-  assert bool(onebit_optax.is_frozen(states[-1]))
-  assert int(onebit_optax.freeze_step(states[-1])) == K
+  assert bool(_fields.field(states[-1], "frozen"))
+  assert int(_fields.field(states[-1], "freeze_step")) == K
   assert loss_fn(history[-1], x, y) < loss_fn(params, x, y)
 
 
@@ -199,11 +200,11 @@ def test_pmap_recipe_trains_and_switches_phase():
     replicated, opt_state, loss = step(replicated, opt_state, xs, ys)
     history.append(jax.tree.map(lambda a: np.asarray(a[0]), replicated))
     losses.append(float(loss[0]))
-    frozen = np.asarray(onebit_optax.is_frozen(opt_state))
+    frozen = np.asarray(_fields.field(opt_state, "frozen"))
     assert frozen.shape == (N,) and np.all(frozen == (t >= K)), (t, frozen)
     for leaf in jax.tree.leaves(replicated):  # replicas stay bitwise identical
       assert np.all(np.asarray(leaf) == np.asarray(leaf)[0])
-  assert np.all(np.asarray(onebit_optax.freeze_step(opt_state)) == K)
+  assert np.all(np.asarray(_fields.field(opt_state, "freeze_step")) == K)
   _assert_trees_close(history[:K], _reference(params, x, y, optax.adam(5e-2), K),
                       rtol=1e-5, atol=1e-6)
   assert losses[-1] < 0.5 * float(loss_fn(params, x, y))

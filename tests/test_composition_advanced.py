@@ -16,7 +16,7 @@ Found and documented here:
   trace (the parameters would differ across devices). Give those leaves their
   own optimizer *and their own average* (``pmean`` transformation below), via
   ``optax.partition`` or two ``optax.masked``.
-* Flax ``nnx.Optimizer``: the accessors return nnx ``OptArray`` variables.
+* Flax ``nnx.Optimizer``: its state holds nnx ``OptArray`` variables (``status`` unwraps them).
 """
 
 import functools
@@ -32,6 +32,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
+import _fields
 import _flat
 
 N = 8
@@ -189,7 +190,7 @@ def test_chain_agreed_clip_then_onebit_adam_is_adam_on_clipped_mean(mesh):
       np.testing.assert_allclose(history[t][name], p[name], rtol=1e-5, atol=1e-6,
                                  err_msg=f"{name} step {t + 1}")
   assert clipped_any
-  assert bool(onebit_optax.is_frozen(state))
+  assert bool(_fields.field(state, "frozen"))
   _assert_trained(history, params, x, y, factor=1.0)  # devices disagree a lot: a high floor
 
 
@@ -312,7 +313,7 @@ def test_inject_hyperparams_learning_rate_edit_is_honoured(mesh):
                                    err_msg=f"{name} at step {t}")
     params, state = step(params, state, x, y)
     jax.block_until_ready(params)
-  assert bool(onebit_optax.is_frozen(state))
+  assert bool(_fields.field(state, "frozen"))
 
 
 # --- Flax ---------------------------------------------------------------------------------
@@ -348,10 +349,9 @@ def test_flax_nnx_optimizer_single_device():
     if t <= K:
       adam_p, adam_s = _adam_step(jax.grad(_loss)(adam_p, x, y), adam_s, adam_p)
       np.testing.assert_allclose(model.kernel[...], adam_p["w"], rtol=1e-5, atol=1e-6)
-  # The accessors find the state inside nnx's wrappers and unwrap its variables.
-  frozen = onebit_optax.is_frozen(optimizer.opt_state)
-  assert isinstance(frozen, jax.Array) and bool(frozen)
-  assert int(onebit_optax.freeze_step(optimizer.opt_state)) == K
+  # status finds the state inside nnx's wrappers and unwraps its variables.
+  status = onebit_optax.status(optimizer.opt_state, K)
+  assert status.frozen is True and status.freeze_step == K and status.replicas_agree
   assert int(optimizer.step[...]) == STEPS
 
 
@@ -386,7 +386,7 @@ def test_linen_train_state_single_device():
       adam_p, adam_s = _adam_step(jax.grad(_loss)(adam_p, x, y), adam_s, adam_p)
       np.testing.assert_allclose(state.params["params"]["kernel"], adam_p["w"],
                                  rtol=1e-5, atol=1e-6)
-  assert int(state.step) == STEPS and bool(onebit_optax.is_frozen(state.opt_state))
+  assert int(state.step) == STEPS and bool(_fields.field(state.opt_state, "frozen"))
   assert _linen_loss(model.apply, state.params, x, y) < 0.8 * _loss(params, x, y)
 
 
@@ -422,7 +422,7 @@ def test_linen_train_state_inside_pmap():
       g = jax.tree.map(lambda a: jnp.asarray(a.mean(0), jnp.float32), _local_grads(adam_p, x, y))
       adam_p, adam_s = _adam_step(g, adam_s, adam_p)
       np.testing.assert_allclose(kernel[0], adam_p["w"], rtol=1e-5, atol=1e-6)
-  assert np.all(np.asarray(onebit_optax.is_frozen(state.opt_state)))
+  assert np.all(np.asarray(_fields.field(state.opt_state, "frozen")))
   assert np.all(np.asarray(state.step) == STEPS)
   final = jax.tree.map(lambda a: a[0], state.params)
   assert _linen_loss(model.apply, final, x, y) < 0.8 * _loss(params, x, y)

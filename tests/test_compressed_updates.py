@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import onebit_optax
+from onebit_optax import _compressed_updates
 
 N, STEPS, BATCH, LR = 8, 300, 256, 0.1
 
@@ -95,7 +96,7 @@ def full_precision():
 def test_error_feedback_1bit_momentum_sgd_trains():
   # At lr 0.03 (a third of the full-precision optimum's 0.1) EF 1-bit momentum
   # SGD is stable: measured 0.129 against 0.101 for full precision on jax 0.10.2.
-  loss, state = _train(onebit_optax.compressed_mean_updates("data"), lr=0.03)
+  loss, state = _train(_compressed_updates.compressed_mean_updates("data"), lr=0.03)
   reference = _float32_loss(0.03)
   initial = float(_loss(_init(jax.random.key(0)), *_digits()))
   print(f"\n[EF 1-bit momentum SGD, lr 0.03] loss {initial:.3f} -> {loss:.4f}; full "
@@ -112,7 +113,7 @@ def test_error_feedback_1bit_momentum_sgd_trains():
     "the server error every step gives 0.041 (only the worker error: 0.067; both: 0.055); "
     "an L1 server scale diverges (1.92). Compress the momentum instead: compressed_trace."))
 def test_error_feedback_1bit_momentum_sgd_within_a_few_percent(full_precision):
-  loss, _ = _train(onebit_optax.compressed_mean_updates("data"))
+  loss, _ = _train(_compressed_updates.compressed_mean_updates("data"))
   assert loss < 1.05 * full_precision + 0.01, (loss, full_precision)
 
 
@@ -121,7 +122,7 @@ def test_compressed_momentum_sgd_within_a_few_percent_of_float32(lr):
   # Measured on jax 0.10.2: 0.0369 vs 0.0380 at lr 0.1, 0.0041 vs 0.0071 at lr 0.3
   # (the float32 optimum of {0.03, 0.1, 0.3}), 0.0989 vs 0.1009 at lr 0.03.
   loss, state = _train(optax.identity(), lr=lr,
-                       momentum=onebit_optax.compressed_trace(0.9, "data"))
+                       momentum=_compressed_updates.compressed_trace(0.9, "data"))
   reference = _float32_loss(lr)
   print(f"\n[compressed_trace, lr {lr}] loss {loss:.4f}; float32 momentum SGD {reference:.4f}")
   assert loss < 1.05 * reference + 0.003, (loss, reference)

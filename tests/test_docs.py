@@ -8,8 +8,7 @@ import onebit_optax
 
 # The names that carry the algorithm: these also need the math and references.
 ALGORITHMIC = {
-    "onebit_adam", "scale_by_onebit_adam", "sign_compress", "sign_decompress",
-    "compressed_mean", "compressed_wire_bytes", "allreduce_wire_bytes",
+    "onebit_adam", "scale_by_onebit_adam", "scale_by_zero_one_adam",
     "variance_ratio_freeze", "clip_by_global_norm", "accumulate_gradients",
 }
 

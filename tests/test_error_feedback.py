@@ -1,4 +1,4 @@
-"""The 1-bit compressor against numpy, and error feedback through the public compressed_mean.
+"""The 1-bit compressor against numpy, and error feedback through compressed_mean (private: onebit_optax._collective).
 
 Error feedback is what makes 1-bit compression unbiased over time. For a fixed
 input ``v`` compressed ``K`` times, the sum of the outputs telescopes (one
@@ -22,11 +22,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
-import onebit_optax
+from onebit_optax import _collective
+from onebit_optax import _compressor
 
 N = 8
 SIZE = 200  # a multiple of 8 (one device), not of 64: padded on 8 devices
-PADDED = onebit_optax.padded_size(SIZE, N)  # 256 on 8 devices
+PADDED = _compressor.padded_size(SIZE, N)  # 256 on 8 devices
 MAX_STEPS = 400
 CHECKPOINTS = (50, 100, 200, 400)
 
@@ -54,8 +55,8 @@ _finite_float32 = st.floats(-1e3, 1e3, width=32, allow_subnormal=False)
 @jax.jit
 def _compress_and_decode(x):
   # One compiled program per shape: much faster than op-by-op for many shapes.
-  packed, scale = onebit_optax.sign_compress(x)
-  return packed, scale, onebit_optax.sign_decompress(packed, scale, x.size)
+  packed, scale = _compressor.sign_compress(x)
+  return packed, scale, _compressor.sign_decompress(packed, scale, x.size)
 
 
 @settings(max_examples=20, deadline=None)
@@ -80,7 +81,7 @@ def test_sign_decompress_rows_match_numpy(rows, size, seed):
   rng = np.random.default_rng(seed)
   packed = rng.integers(0, 256, size=(rows, -(-size // 8)), dtype=np.uint8)
   scales = rng.uniform(0.1, 10.0, size=rows).astype(np.float32)
-  decoded = jax.jit(onebit_optax.sign_decompress, static_argnums=2)(
+  decoded = jax.jit(_compressor.sign_decompress, static_argnums=2)(
       jnp.asarray(packed), jnp.asarray(scales), size)
   bits = np.unpackbits(packed, axis=-1, count=size, bitorder="little")
   expected = np.where(bits == 1, scales[:, None], -scales[:, None])
@@ -92,7 +93,7 @@ def test_sign_of_zero_is_plus_one_and_odd_sizes_pad_with_zero_bits(size):
   x = np.zeros(size, np.float32)
   x[1::3] = -0.0
   x[2::3] = -2.5
-  packed, scale = onebit_optax.sign_compress(jnp.asarray(x))
+  packed, scale = _compressor.sign_compress(jnp.asarray(x))
   expected_packed, expected_scale = _numpy_compress(x)
   assert packed.shape == (-(-size // 8),)
   np.testing.assert_array_equal(np.asarray(packed), expected_packed)
@@ -101,7 +102,7 @@ def test_sign_of_zero_is_plus_one_and_odd_sizes_pad_with_zero_bits(size):
   assert not np.any(bits[size:])  # bits past the end are 0, whatever the signs
   assert np.all(bits[:size][x == 0] == 1)  # +0.0 and -0.0 both encode as +1
   assert np.all(bits[:size][x < 0] == 0)
-  decoded = np.asarray(onebit_optax.sign_decompress(packed, scale, size))
+  decoded = np.asarray(_compressor.sign_decompress(packed, scale, size))
   np.testing.assert_array_equal(decoded, np.where(bits[:size] == 1, scale, -scale))
 
 
@@ -109,7 +110,7 @@ def test_scale_counts_zero_padding():
   # The RMS runs over the whole (padded) vector, zeros included.
   x = np.zeros(16, np.float32)
   x[:4] = [3.0, -4.0, 1.0, -2.0]
-  _, scale = onebit_optax.sign_compress(jnp.asarray(x))
+  _, scale = _compressor.sign_compress(jnp.asarray(x))
   np.testing.assert_allclose(float(scale), np.sqrt(30.0 / 16.0), rtol=1e-6)
 
 
@@ -130,7 +131,7 @@ def _repeat_compressed_mean(x, worker_error, server_error, axis_name, feedback):
     worker_error, server_error = carry
     if not feedback:
       worker_error, server_error = jnp.zeros_like(worker_error), jnp.zeros_like(server_error)
-    mean, worker_error, server_error = onebit_optax.compressed_mean(
+    mean, worker_error, server_error = _collective.compressed_mean(
         x, worker_error, server_error, axis_name)
     return (worker_error, server_error), mean
   (worker_error, server_error), outputs = jax.lax.scan(

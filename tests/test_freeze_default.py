@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import onebit_optax
+import _fields
 
 B2 = 0.999  # optax's default, and onebit_adam's.
 WARMUP = 30  # min_steps: the LR warmup of a 600-step run at 5%.
@@ -59,7 +60,7 @@ def library_freeze_step(grads, policy):
       _, state = tx.update(g, state)
       return state, None
     state, _ = jax.lax.scan(body, tx.init(jnp.zeros(DIM)), grads)
-    return onebit_optax.is_frozen(state), onebit_optax.freeze_step(state)
+    return _fields.field(state, "frozen"), _fields.field(state, "freeze_step")
 
   frozen, step = run(jnp.asarray(grads))
   return int(step) if bool(frozen) else None

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import onebit_optax
+from onebit_optax import _collective
 import _flat
 import _hlo
 
@@ -127,7 +128,7 @@ def test_compression_branch_sends_only_packed_bytes(linear_phases):
 def test_compression_wire_bytes_at_most_a_thirtieth_of_fp32_allreduce(linear_phases):
   params, *_ = _linear_model()
   d = _num_params(params)
-  allreduce = onebit_optax.allreduce_wire_bytes(d, N)
+  allreduce = _collective.allreduce_wire_bytes(d, N)
   assert allreduce == 2 * (N - 1) / N * d * 4  # the ring model, written out.
   compressed = _hlo.total_wire_bytes(linear_phases.compression, N)
   ratio = allreduce / compressed
@@ -141,7 +142,7 @@ def test_compression_wire_bytes_at_most_a_thirtieth_of_fp32_allreduce(linear_pha
   sizes = _sizes(params)
   packed = _hlo.total_wire_bytes([c for c in linear_phases.compression if c.dtypes == {"u8"}], N)
   assert packed == _flat.compressed_bytes(sizes, N)
-  assert packed == onebit_optax.compressed_wire_bytes(
+  assert packed == _collective.compressed_wire_bytes(
       _flat.padded(sizes, N), N, _flat.max_segments(sizes, N))
 
 
@@ -155,7 +156,7 @@ def test_warmup_branch_allreduces_the_fp32_gradient(linear_phases):
   # The gradient tree as it is (no flat buffer, no padding): XLA's all-reduce
   # combiner makes the per-leaf pmean one tuple all-reduce of all the leaves.
   assert allreduce.dtypes == {"f32"} and allreduce.size == d, str(allreduce)
-  assert allreduce.wire_bytes(N) == onebit_optax.allreduce_wire_bytes(d, N)
+  assert allreduce.wire_bytes(N) == _collective.allreduce_wire_bytes(d, N)
   assert not any(c.collective == "all-to-all" for c in linear_phases.warmup)
 
 
@@ -201,7 +202,7 @@ def test_parser_detects_a_full_precision_gradient_allreduce(mesh):
   big = _large(module.collectives(module.reachable([module.entry])))
   assert big and all(c.dtypes == {"f32"} for c in big)
   assert sum(c.size for c in big) == _num_params(params)
-  assert sum(c.wire_bytes() for c in big) == onebit_optax.allreduce_wire_bytes(
+  assert sum(c.wire_bytes() for c in big) == _collective.allreduce_wire_bytes(
       _num_params(params), N)
 
 

@@ -44,7 +44,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
-import onebit_optax
+from onebit_optax import _collective
+from onebit_optax import _compressor
 
 N = 8
 F32_MAX = float(np.finfo(np.float32).max)
@@ -125,8 +126,8 @@ def _check_scale(actual, expected, what=""):
 
 @jax.jit
 def _compress_and_decode(x):
-  packed, scale = onebit_optax.sign_compress(x)
-  return packed, scale, onebit_optax.sign_decompress(packed, scale, x.size)
+  packed, scale = _compressor.sign_compress(x)
+  return packed, scale, _compressor.sign_decompress(packed, scale, x.size)
 
 
 # ----------------------------------------------------------------------------
@@ -195,9 +196,9 @@ def test_one_million_elements_once():
   np.testing.assert_array_equal(np.asarray(decoded),
                                 np.where(x >= 0, np.float32(scale), -np.float32(scale)))
   # And through the one-device collective: conservation, bounded error.
-  d = onebit_optax.padded_size(x.size, 1)
+  d = _compressor.padded_size(x.size, 1)
   u = np.pad(x, (0, d - x.size))
-  mean, we, se = jax.jit(functools.partial(onebit_optax.compressed_mean, axis_name=None))(
+  mean, we, se = jax.jit(functools.partial(_collective.compressed_mean, axis_name=None))(
       jnp.asarray(u), jnp.zeros(d), jnp.zeros(d))
   np.testing.assert_allclose(np.asarray(mean) + np.asarray(we) + np.asarray(se), u,
                              rtol=0, atol=1e-5)
@@ -210,7 +211,7 @@ def test_one_million_elements_once():
 
 @jax.jit
 def _one_call(x, worker_error, server_error):
-  return onebit_optax.compressed_mean(x, worker_error, server_error, axis_name=None)
+  return _collective.compressed_mean(x, worker_error, server_error, axis_name=None)
 
 
 def _error_identity(u, new_error):
@@ -251,7 +252,7 @@ def _repeat(x, steps):
   d = x.shape[0]
 
   def body(carry, _):
-    _, worker_error, server_error = onebit_optax.compressed_mean(x, *carry, axis_name=None)
+    _, worker_error, server_error = _collective.compressed_mean(x, *carry, axis_name=None)
     return (worker_error, server_error), jnp.sqrt(jnp.sum(worker_error ** 2) +
                                                   jnp.sum(server_error ** 2))
   _, norms = jax.lax.scan(body, (jnp.zeros(d), jnp.zeros(d)), None, length=steps)
@@ -293,7 +294,7 @@ SIZES = (64, 192)
 def _mean_8(size):
   mesh = jax.make_mesh((N,), ("data",))
   fn = jax.jit(jax.shard_map(
-      lambda x, e, s: tuple(a[None] for a in onebit_optax.compressed_mean(x[0], e[0], s[0], "data")),
+      lambda x, e, s: tuple(a[None] for a in _collective.compressed_mean(x[0], e[0], s[0], "data")),
       mesh=mesh, in_specs=P("data"), out_specs=P("data")))
   place = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
 

@@ -67,6 +67,7 @@ import optax
 import pytest
 
 import onebit_optax
+from onebit_optax import _compressed_updates
 import _flat
 
 F32 = np.float32
@@ -716,7 +717,7 @@ def test_compressed_mean_updates_matches_the_simulated_allreduce():
   """compressed_mean_updates on 8 devices = the numpy workers' compressed allreduce, step by step."""
   rng = np.random.default_rng(3)
   mesh = _mesh()
-  state, step = _updates_on_8_devices(onebit_optax.compressed_mean_updates("data"), mesh)
+  state, step = _updates_on_8_devices(_compressed_updates.compressed_mean_updates("data"), mesh)
   assert state.worker_error.shape == (N, PADDED) and state.server_error.shape == (N, CHUNK)
   margin = _Margin()
   worker_error, server_error = np.zeros((N, PADDED), F32), np.zeros((N, CHUNK), F32)
@@ -745,7 +746,7 @@ def test_compressed_trace_matches_the_simulated_momentum():
   rng = np.random.default_rng(5)
   decay = 0.9
   mesh = _mesh()
-  state, step = _updates_on_8_devices(onebit_optax.compressed_trace(decay, "data"), mesh)
+  state, step = _updates_on_8_devices(_compressed_updates.compressed_trace(decay, "data"), mesh)
   margin = _Margin()
   worker_error, server_error = np.zeros((N, PADDED), F32), np.zeros((N, CHUNK), F32)
   momentum = np.zeros(PADDED, F32)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import onebit_optax
+from onebit_optax import _collective
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import scaling_model as sm  # noqa: E402
@@ -20,16 +20,16 @@ BYTES = sm.Net(alpha=0.0, nic=1.0, g=8, alpha_l=0.0, local=math.inf)
 def test_bytes_are_the_package_formulas(n):
   d, s = sm.padded(340_000_000, n), 7
   assert d % (128 * n) == 0 and d >= 340_000_000
-  flat = 8 * onebit_optax.compressed_wire_bytes(d, n, s) * (n - 8) / (n - 1)
+  flat = 8 * _collective.compressed_wire_bytes(d, n, s) * (n - 8) / (n - 1)
   assert sm.flat_comm(d, n, s, BYTES) == pytest.approx(flat)
-  hier = 8 * onebit_optax.compressed_wire_bytes(d // 8, n // 8, s)
+  hier = 8 * _collective.compressed_wire_bytes(d // 8, n // 8, s)
   assert sm.hier_comm(d, n, s, BYTES) == pytest.approx(hier)
-  hier_ring = 8 * onebit_optax.allreduce_wire_bytes(d // 8, n // 8)
+  hier_ring = 8 * _collective.allreduce_wire_bytes(d // 8, n // 8)
   assert sm.adam_comm(d, n, BYTES) == pytest.approx(
-      min(hier_ring, onebit_optax.allreduce_wire_bytes(d, n)))
+      min(hier_ring, _collective.allreduce_wire_bytes(d, n)))
   one_per_node = sm.Net(alpha=1e-5, nic=1e9, g=1)
   assert sm.adam_comm(d, n, one_per_node) == pytest.approx(
-      2 * (n - 1) * 1e-5 + onebit_optax.allreduce_wire_bytes(d, n) / 1e9)
+      2 * (n - 1) * 1e-5 + _collective.allreduce_wire_bytes(d, n) / 1e9)
 
 
 def test_layout_of_the_measured_run_inverts_the_byte_functions():
@@ -37,7 +37,7 @@ def test_layout_of_the_measured_run_inverts_the_byte_functions():
   d, s = sm.run_layout(run)
   assert d % (128 * run["num_ranks"]) == 0 and d >= run["num_params"]
   wire = run["summary"]["onebit_compression"]["state_wire_bytes"]
-  assert onebit_optax.compressed_wire_bytes(d, run["num_ranks"], s) == wire
+  assert _collective.compressed_wire_bytes(d, run["num_ranks"], s) == wire
 
 
 def test_prediction_of_the_measured_runs():

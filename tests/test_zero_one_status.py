@@ -141,11 +141,3 @@ def test_moments_of_a_zero_one_state_are_its_trees():
                              rtol=1e-6)
   with pytest.raises(ValueError, match="pass the params the optimizer was initialised with"):
     onebit_optax.moments(state, {"w": jnp.ones(301), "b": jnp.ones(3)})
-
-
-@pytest.mark.parametrize("accessor", ["is_frozen", "freeze_step", "variance_ratio"])
-def test_one_bit_freeze_accessors_point_a_zero_one_state_to_status(accessor):
-  tx = onebit_optax.zero_one_adam(1e-2, axis_name=None, var_freeze_step=10)
-  state = tx.init({"w": jnp.ones(3)})
-  with pytest.raises(ValueError, match=r"0/1 Adam's.*status\(opt_state, var_freeze_step=\.\.\.\)"):
-    getattr(onebit_optax, accessor)(state)

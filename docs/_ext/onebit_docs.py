@@ -48,9 +48,6 @@ API_SECTIONS = (
     ("_accumulate", "Accumulation and clipping"),
     ("_partition", "Frozen layers and partitions"),
     ("_checkpoint", "Checkpointing"),
-    ("_compressor", "The 1-bit compressor"),
-    ("_collective", "The compressed collective"),
-    ("_compressed_updates", "The collective as Optax transformations"),
 )
 
 # Results files that are excerpts of another file (written for the README's
