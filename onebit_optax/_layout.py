@@ -217,12 +217,13 @@ class WireLayout:
   def compressed(self) -> tuple:
     """Indices (in ``jax.tree.leaves`` order) of the leaves sent as signs, group after group.
 
-    A **group** is every compressed leaf of one shape; groups come in the
-    order of their first leaf, and a group's leaves in tree order. The state
-    and the step treat a group as one stacked array, so that the compiled
-    program grows with the number of distinct shapes, not of leaves; its bits
-    are one contiguous run of the stream. (With all shapes distinct this is
-    tree order.)
+    The leaves of one shape come together, in the order of their first leaf,
+    each run in tree order, cut into **groups** of at most
+    :data:`GROUP_LEAVES` (:attr:`groups`). The state and the step treat a
+    group as one stacked array, so that the compiled program grows with the
+    number of distinct shapes (and leaves / 8), not with the leaves; a
+    group's bits are one contiguous run of the stream. (With all shapes
+    distinct this is tree order.)
     """
     by_shape = {}
     for i, s in enumerate(self.sizes):
