@@ -85,23 +85,29 @@ class Result(NamedTuple):
 
 
 def exchange(plan: Plan, sent: list, exact: list, server_error, hp: Hyper):
-  """The 1-bit mean of ``sent`` (per group, ``(1, leaves, *shape)``) and ``exact`` (float32 leaves).
+  """The 1-bit mean of ``sent`` (the compressed leaves, stream order) and ``exact`` (float32 leaves).
 
   One uint8 ``all_to_all`` and one uint8 ``all_gather`` however many leaves
   (:func:`_collective.onebit_exchange`); each leaf is compressed with its own
   RMS scale. Returns ``(gathered, scales, server_error, finite)``; ``finite``
   is read off the replicated gathered scales, so every device agrees on it.
   """
-  scales = (jnp.concatenate([_wire.group_rms(u[0]) for u in sent]) if sent
+  sent = _stacks(plan, sent)  # (stacked here, where the scales and signs consume them)
+  scales = (jnp.concatenate([_wire.group_rms(u) for u in sent]) if sent
             else jnp.zeros((0,), F32))
   flat = [jnp.ravel(x).astype(F32) for x in exact]
   exact = jnp.concatenate(flat) if flat else jnp.zeros((0,), F32)
-  rows = _wire.rows(plan.layout, [_wire.group_signs(u[0]) for u in sent], scales, exact)
+  rows = _wire.rows(plan.layout, [_wire.group_signs(u) for u in sent], scales, exact)
   gathered, server_error, finite = _collective.onebit_exchange(
       rows, server_error, plan.layout, plan.axes, keep_if_nonfinite=hp.skip_nonfinite)
   if not hp.skip_nonfinite:
     finite = jnp.bool_(True)
   return gathered, _collective.vary(scales[None], plan.axes.device_axes), server_error, finite
+
+
+def _stacks(plan: Plan, sent: list) -> list:
+  """The compressed leaves (stream order) stacked per group: ``(leaves, *shape)`` each."""
+  return [jnp.stack([sent[k] for k in span]) for span in plan.layout.groups]
 
 
 def feedback(sent, scale, valid=True):
@@ -423,8 +429,9 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   bc1 = _bounded.bias_correction(hp.b1, sched.count)
   bc2 = v_correction(hp, state.variance_updates, state.variance_step)  # v held: not a variance step
   outgoing = _outgoing(hp, plan, g32, state, sched, params, bc1, bc2)
-  order = plan.layout.compressed  # what each device sends, stacked per group of one shape
-  sent = [jnp.stack([outgoing[order[k]] for k in span])[None] for span in plan.layout.groups]
+  # What each device sends: the compressed leaves, passed to the conditional leaf by leaf
+  # (the buffers outgoing computed) and stacked into their groups where they are read.
+  sent = [outgoing[i] for i in plan.layout.compressed]
   server = (None if state.server_error is None  # (fresh: a local-phase step)
             else jnp.where(sched.fresh, 0.0, state.server_error).astype(state.server_error.dtype))
   total, gathered, scales, server_error, finite = _collectives(
@@ -447,7 +454,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   active = (sched.kind == COMPRESSED) | ((sched.kind == LOCAL) & sched.sync)
   keep = lambda new, old: jnp.where(active, jnp.where(finite, new, jnp.where(
       sched.fresh, 0.0, old)), old).astype(old.dtype)
-  local_sent = tuple(keep(u, old) for u, old in zip(sent, state.local_sent))
+  local_sent = tuple(keep(u[None], old) for u, old in zip(_stacks(plan, sent), state.local_sent))
   wire = jnp.where(is_var, _bytes_allreduce(plan),
                    jnp.where(active, _bytes_onebit(plan), 0.0)).astype(F32)
   local_mu, accumulator = _per_device(hp, plan, state, sched, g32, mu, outgoing)
