@@ -15,6 +15,7 @@ from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 from onebit_optax import _accessors
 from onebit_optax import _ckpt_move
 from onebit_optax import _config
+from onebit_optax import _groups
 from onebit_optax import _layout as _layout_mod
 from onebit_optax import _sharding
 from onebit_optax import _zero_one_sharding
@@ -533,26 +534,18 @@ def _wire_layout(params, info: dict) -> _layout_mod.WireLayout:
   return layout
 
 
-def _relaid(message, shapes: list, old: _layout_mod.WireLayout, new: _layout_mod.WireLayout):
+def _relaid(message, old: _layout_mod.WireLayout, new: _layout_mod.WireLayout):
   """The mean momentum of ``message`` (``old`` layout) compressed again for ``new``.
 
-  As at the freeze: the momentum is decoded leaf by leaf, and each compressed
+  The momentum is decoded (:func:`_groups.mean_leaves`), and each compressed
   leaf of the new layout is sent as its signs with one scale per leaf (its
   RMS); exact leaves carry their decoded values.
   """
-  exact_old = _wire.message_exact(old, message)
-
-  def leaf(i):
-    if i in old.compressed:
-      return _wire.message_leaf(old, message, old.compressed.index(i), shapes[i])
-    offset = old.exact_offsets[old.exact.index(i)]
-    return exact_old[offset:offset + old.sizes[i]].reshape(shapes[i])
-  sent = [leaf(i) for i in new.compressed]
-  exact = [jnp.ravel(leaf(i)) for i in new.exact]
+  means = _groups.mean_leaves(old, message)
+  sent = [means[i] for i in new.compressed]
   scales = (jnp.stack([_wire.leaf_rms(u) for u in sent]) if sent
             else jnp.zeros((0,), jnp.float32))
-  exact = jnp.concatenate(exact) if exact else jnp.zeros((0,), jnp.float32)
-  return _wire.rows(new, [_wire.leaf_signs(u) for u in sent], scales, exact)
+  return _wire.rows(new, [_wire.leaf_signs(u) for u in sent], scales, _groups.exact(new, means))
 
 
 def _zeros(abstract):
@@ -731,7 +724,7 @@ def _carry_all(state, old, new, shapes, shards: int, b1, dtype):
   messages, carried = [], []
   for m in range(shards):
     part = _model_shard(state, shards, m, old.wire.num_devices)
-    message = _relaid(part.momentum_message, shapes, old.wire, new.wire)
+    message = _relaid(part.momentum_message, old.wire, new.wire)
     messages.append(message)
     carried.append(_ckpt_move.carry(part, old, new, shapes, message, b1, dtype))
   joined = _ckpt_move.Carried(

@@ -7,8 +7,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from onebit_optax import _groups
 from onebit_optax import _layout
-from onebit_optax import _wire
 
 __all__ = ["Mesh", "carry"]
 
@@ -80,22 +80,6 @@ def server_error(state, side: Mesh, shapes: list) -> Optional[list]:
   return _leaves(stream, side.wire.bits, shapes)
 
 
-def _decoded(wire: _layout.WireLayout, message, shapes: list) -> list:
-  """Every leaf of the mean momentum a gathered message holds (float32)."""
-  exact = _wire.message_exact(wire, message)
-  out = []
-  for i, shape in enumerate(shapes):
-    role = wire.roles[i]
-    if role[0] == "c":
-      out.append(_wire.message_leaf(wire, message, role[1], shape))
-    elif role[0] == "e":
-      offset = wire.exact_offsets[role[1]]
-      out.append(exact[offset:offset + wire.sizes[i]].reshape(shape))
-    else:
-      out.append(jnp.zeros(shape, F32))
-  return out
-
-
 class Carried(NamedTuple):
   """The new per-device buffers (None where the new layout has none)."""
 
@@ -142,8 +126,8 @@ def carry(state, old: Mesh, new: Mesh, shapes: list, new_message, b1, dtype) -> 
   if not has_server:  # no server to hand the residual to: the worker sends it
     total = {i: total[i] + server.get(i, zero(i)) for i in total}
   if b1 is not None:
-    m_old = _decoded(old.wire, state.momentum_message, shapes)
-    m_new = _decoded(new.wire, new_message, shapes)
+    m_old = _groups.mean_leaves(old.wire, state.momentum_message)
+    m_new = _groups.mean_leaves(new.wire, new_message)
     total = {i: total[i] + b1 * (m_old[i] - m_new[i]) for i in total}
   n = new.wire.num_devices
   leaves = [total[i] for i in new.wire.compressed]

@@ -18,76 +18,51 @@ Per-leaf sums are one variadic reduction per shape (:func:`sums`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from onebit_optax import _collective
 from onebit_optax import _layout
+from onebit_optax import _wire
 
 F32 = jnp.float32
 
 
-class Grouped(NamedTuple):
-  """A tree's leaves as groups: ``stacks`` (per group, ``(leaves, *shape)``) and ``exact`` (flat)."""
+def stacks(layout: _layout.WireLayout, sent: list) -> list:
+  """The compressed leaves ``sent`` (in :attr:`WireLayout.compressed` order) stacked per group.
 
-  stacks: tuple  # per group of compressed leaves: (leaves, *shape) float32.
-  exact: jax.Array  # (exact_size,) float32: the exact leaves, raveled and concatenated.
-
-
-def group(layout: _layout.WireLayout, leaves: list) -> Grouped:
-  """``leaves`` (tree order) as :class:`Grouped` float32 values: one stack per group."""
-  order = layout.compressed
-  stacks = tuple(jnp.stack([leaves[order[k]].astype(F32) for k in span])
-                 for span in layout.groups)
-  exact = [jnp.ravel(leaves[i]).astype(F32) for i in layout.exact]
-  return Grouped(stacks, jnp.concatenate(exact) if exact else jnp.zeros((0,), F32))
-
-
-def leaf(layout: _layout.WireLayout, grouped: Grouped, i: int) -> jax.Array:
-  """Leaf ``i`` (tree order) of ``grouped``: a slice of its group (zeros for an empty leaf)."""
-  role, shape = layout.roles[i], layout.shapes[i]
-  if role[0] == "c":
-    g, j = layout.group_of[role[1]]
-    return grouped.stacks[g][j]
-  if role[0] == "e":
-    offset = layout.exact_offsets[role[1]]
-    return grouped.exact[offset:offset + layout.sizes[i]].reshape(shape)
-  return jnp.zeros(shape, F32)
-
-
-def leaves(layout: _layout.WireLayout, grouped: Grouped) -> list:
-  """Every leaf of ``grouped``, tree order."""
-  return [leaf(layout, grouped, i) for i in range(len(layout.shapes))]
-
-
-def stream(layout: _layout.WireLayout, stacks) -> jax.Array:
-  """The groups laid out as :attr:`WireLayout.bits` lays out their leaves: one padded flat vector.
-
-  Each leaf on whole blocks, group after group, the tail zero (what
-  :meth:`FlatLayout.flatten` makes of the compressed leaves in stream order).
+  Each group ``(leaves, *shape)``, float32. Stacked where it is read, the
+  concatenate fuses into the pass that reads it (at most ``GROUP_LEAVES``
+  operands).
   """
-  bits, pieces = layout.bits, []
-  for s in stacks:
-    flat = s.reshape(s.shape[0], -1).astype(F32)
-    pad = -flat.shape[1] % bits.block
-    pieces.append(jnp.pad(flat, ((0, 0), (0, pad))).reshape(-1) if pad else flat.reshape(-1))
-  if bits.padded > bits.used:
-    pieces.append(jnp.zeros((bits.padded - bits.used,), F32))
-  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+  return [jnp.stack([sent[k].astype(F32) for k in span]) for span in layout.groups]
 
 
-def unstream(layout: _layout.WireLayout, flat: jax.Array) -> tuple:
-  """Inverse of :func:`stream`: per group, ``(leaves, *shape)`` (slices of ``flat``)."""
-  bits, out = layout.bits, []
-  for g, span in enumerate(layout.groups):
-    size = bits.sizes[span.start]
-    width = -(-size // bits.block) * bits.block
-    start = bits.offsets[span.start]
-    rows = flat[start:start + len(span) * width].reshape(len(span), width)[:, :size]
-    out.append(rows.reshape((len(span),) + tuple(layout.group_shape(g))))
-  return tuple(out)
+def exact(layout: _layout.WireLayout, leaves: list) -> jax.Array:
+  """The exact leaves of ``leaves`` (tree order), raveled and concatenated: ``(exact_size,)`` float32."""
+  flat = [jnp.ravel(leaves[i]).astype(F32) for i in layout.exact]
+  return jnp.concatenate(flat) if flat else jnp.zeros((0,), F32)
+
+
+def mean_leaves(layout: _layout.WireLayout, gathered: jax.Array) -> list:
+  """Every leaf (tree order) of the mean the gathered 1-bit messages hold, float32.
+
+  Decoded group by group (one slice and unpack per group), then cut into
+  leaves; the exact leaves are read off their floats; an empty leaf is zeros.
+  """
+  groups = [_wire.message_group(layout, gathered, g) for g in range(len(layout.groups))]
+  floats = _wire.message_exact(layout, gathered)
+  out = []
+  for i, (role, shape) in enumerate(zip(layout.roles, layout.shapes)):
+    if role[0] == "c":
+      g, j = layout.group_of[role[1]]
+      out.append(groups[g][j])
+    elif role[0] == "e":
+      offset = layout.exact_offsets[role[1]]
+      out.append(floats[offset:offset + layout.sizes[i]].reshape(shape))
+    else:
+      out.append(jnp.zeros(shape, F32))
+  return out
 
 
 def sums(leaves: list) -> jax.Array:

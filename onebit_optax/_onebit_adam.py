@@ -126,16 +126,6 @@ class _Moments(NamedTuple):
   wire_bytes: jax.Array
 
 
-def _old_mean(plan: _Plan, gathered, i: int, shape):
-  """Leaf ``i`` of the mean momentum held by the gathered messages (float32)."""
-  kind = plan.kind(i)
-  if kind[0] == "c":
-    return _wire.message_leaf(plan.layout, gathered, kind[1], shape)
-  offset = plan.layout.exact_offsets[kind[1]]
-  size = plan.layout.sizes[i]
-  return _wire.message_exact(plan.layout, gathered)[offset:offset + size].reshape(shape)
-
-
 def _group_scale(scales, span, shape):
   """The scales of a group's leaves, ``(leaves, 1, ...)``: broadcastable against the group."""
   return scales[span.start:span.stop].reshape((len(span),) + (1,) * len(shape))
@@ -168,7 +158,7 @@ def _write_sent(hp: _Hyper, plan: _Plan, grads: list, state):
 
   def sent(local, grads):
     out = []  # (the gradients are stacked here, inside the branch: fused into u's writes)
-    stacks = _groups.group(layout, grads).stacks
+    stacks = _groups.stacks(layout, [grads[i] for i in layout.compressed])
     for g, (span, u, g_stack) in enumerate(zip(layout.groups, local, stacks)):
       # (in u's own shape, (1, leaves, *shape): XLA writes it in place, a reshape of it not)
       new = _sent(hp, u, g_stack[None], _wire.message_group(layout, state.momentum_message, g)[None],
@@ -191,7 +181,7 @@ def _rows(plan: _Plan, sent, exact):
 def _exact_momenta(hp: _Hyper, plan: _Plan, grads: list, state):
   """The exact leaves' momenta :math:`\\beta_1 m + (1-\\beta_1) g`, concatenated (float32)."""
   old = _wire.message_exact(plan.layout, state.momentum_message)
-  return hp.b1 * old + (1.0 - hp.b1) * _groups.group(plan.layout, grads).exact
+  return hp.b1 * old + (1.0 - hp.b1) * _groups.exact(plan.layout, grads)
 
 
 def _compression(hp: _Hyper, plan: _Plan, grads: list, local, state) -> _Exchange:
@@ -220,9 +210,9 @@ def _hierarchical_exchange(hp: _Hyper, plan: _Plan, grads, state):
   """Hierarchical: float32 mean of the momenta over the fast axis, then 1 bit over the slow one."""
   layout, axes = plan.layout, plan.axes
   bits = layout.bits
-  momenta = [hp.b1 * _wire.message_group(layout, state.momentum_message, g) + (1.0 - hp.b1) * s
-             for g, s in enumerate(_groups.group(layout, grads).stacks)]
-  part = _collective._fast_mean_slice(_groups.stream(layout, momenta), axes.fast, axes.n_fast)
+  old = _groups.mean_leaves(layout, state.momentum_message)
+  momenta = [hp.b1 * old[i] + (1.0 - hp.b1) * grads[i].astype(F32) for i in layout.compressed]
+  part = _collective._fast_mean_slice(bits.flatten(momenta), axes.fast, axes.n_fast)
   error, server = (state.worker_error[0].astype(F32), state.server_error[0].astype(F32))
   error = jnp.where(state.feedback_valid, error, 0.0)
   avg = _collective.compressed_average(
@@ -252,9 +242,12 @@ def _gradient_sum(plan: _Plan, grads):
     return grads, 1.0
   if not axes.hierarchical:
     return jax.lax.psum(grads, axes.slow), 1.0 / axes.n_slow
-  layout, grads = plan.layout, _groups.group(plan.layout, grads)
-  flat = _collective.full_precision_mean(_groups.stream(layout, grads.stacks), axes.data)
-  return _groups.leaves(layout, grads._replace(stacks=_groups.unstream(layout, flat))), 1.0
+  bits, order = plan.layout.bits, plan.layout.compressed  # (every leaf: none is exact)
+  ordered = [grads[i] for i in order]  # in the stream's order, group after group
+  flat = _collective.full_precision_mean(bits.flatten(ordered), axes.data)
+  for i, mean in zip(order, bits.unflatten(flat, jax.tree.structure(ordered))):
+    grads[i] = mean
+  return grads, 1.0
 
 
 def _warmup(hp: _Hyper, plan: _Plan, grads: list, state, count) -> _Moments:
@@ -327,7 +320,8 @@ def _freeze_message(hp: _Hyper, plan: _Plan, mu: list, local, gathered, scale):
   :math:`\beta_1 s_m`.
   """
   layout = plan.layout
-  groups, exact = _groups.group(layout, mu)
+  groups = _groups.stacks(layout, [mu[i] for i in layout.compressed])
+  exact = _groups.exact(layout, mu)
   if local is None:
     rows, scales = _rows(plan, groups, exact)
     return rows, _collective.vary((hp.b1 * scales)[None], plan.axes.device_axes), None
@@ -359,20 +353,14 @@ def _updates(hp: _Hyper, plan: _Plan, grads, state, ex: _Exchange, mo: _Moments,
   bc1 = _bounded.bias_correction(hp.b1, count)
   bc2 = _bounded.bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
   layout, out = plan.layout, []
-  groups = [_wire.message_group(layout, ex.gathered, g) for g in range(len(layout.groups))]
+  means = _groups.mean_leaves(layout, ex.gathered)
   sizes = np.maximum(np.asarray(layout.sizes, np.float32), 1.0)  # (one division for all leaves)
   floors = hp.variance_floor * mo.nu_l1 / (jnp.asarray(sizes) * bc2)
   for i, g in enumerate(grads):
-    kind = plan.kind(i)
-    if kind[0] == "z":
+    if plan.kind(i)[0] == "z":
       out.append(jnp.zeros(jnp.shape(g), g.dtype))  # replicated, as every other update
       continue
-    if kind[0] == "c":
-      group, j = layout.group_of[kind[1]]
-      new_mean = groups[group][j]
-    else:
-      new_mean = _old_mean(plan, ex.gathered, i, jnp.shape(g))
-    mean = jnp.where(state.frozen, new_mean, mo.mu[i].astype(F32))
+    mean = jnp.where(state.frozen, means[i], mo.mu[i].astype(F32))
     floor = floors[i]
     out.append(_leaf_update(mean, mo.nu[i].astype(F32), state.frozen, bc1, bc2, floor,
                             finite, hp).astype(g.dtype))

@@ -92,7 +92,7 @@ def exchange(plan: Plan, sent: list, exact: list, server_error, hp: Hyper):
   RMS scale. Returns ``(gathered, scales, server_error, finite)``; ``finite``
   is read off the replicated gathered scales, so every device agrees on it.
   """
-  sent = _stacks(plan, sent)  # (stacked here, where the scales and signs consume them)
+  sent = _groups.stacks(plan.layout, sent)  # (stacked here, where the scales and signs read them)
   scales = (jnp.concatenate([_wire.group_rms(u) for u in sent]) if sent
             else jnp.zeros((0,), F32))
   flat = [jnp.ravel(x).astype(F32) for x in exact]
@@ -103,11 +103,6 @@ def exchange(plan: Plan, sent: list, exact: list, server_error, hp: Hyper):
   if not hp.skip_nonfinite:
     finite = jnp.bool_(True)
   return gathered, _collective.vary(scales[None], plan.axes.device_axes), server_error, finite
-
-
-def _stacks(plan: Plan, sent: list) -> list:
-  """The compressed leaves (stream order) stacked per group: ``(leaves, *shape)`` each."""
-  return [jnp.stack([sent[k] for k in span]) for span in plan.layout.groups]
 
 
 def feedback(sent, scale, valid=True):
@@ -256,16 +251,6 @@ def _sync_move(hp: Hyper, plan: Plan, i, avg, denominator, lr_sum, params):
   if params is not None and plan.decays(i):
     decay = hp.weight_decay * lr_sum * params[i].astype(F32)
   return jnp.clip(avg / denominator + decay, -bound, bound) - decay
-
-
-def _mean_of(plan: Plan, gathered) -> list:
-  """Per leaf, the mean that the gathered 1-bit messages hold (an empty leaf: zeros).
-
-  Decoded group by group (one slice and unpack per shape), then cut into leaves.
-  """
-  layout = plan.layout
-  groups = tuple(_wire.message_group(layout, gathered, g) for g in range(len(layout.groups)))
-  return _groups.leaves(layout, _groups.Grouped(groups, _wire.message_exact(layout, gathered)))
 
 
 def _finite_mean(hp: Hyper, plan: Plan, total):
@@ -441,7 +426,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
     finite = jnp.where(is_var, _finite_mean(hp, plan, g32), finite)
   # The mean: float32 (variance step) or decoded from the 1-bit messages (fused into its consumers).
   mean = [t * (1.0 / plan.axes.n_slow) for t in total]
-  onebit_mean = _mean_of(plan, gathered)
+  onebit_mean = _groups.mean_leaves(plan.layout, gathered)
   avg = [jnp.where(is_var, t, c) for t, c in zip(mean, onebit_mean)]
   nu = _new_nu(hp, jax.tree.leaves(state.nu), mean, is_var, finite,
                variance_decay(hp, state, sched.count))
@@ -454,7 +439,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   active = (sched.kind == COMPRESSED) | ((sched.kind == LOCAL) & sched.sync)
   keep = lambda new, old: jnp.where(active, jnp.where(finite, new, jnp.where(
       sched.fresh, 0.0, old)), old).astype(old.dtype)
-  local_sent = tuple(keep(u[None], old) for u, old in zip(_stacks(plan, sent), state.local_sent))
+  local_sent = tuple(keep(u[None], old) for u, old in zip(_groups.stacks(plan.layout, sent), state.local_sent))
   wire = jnp.where(is_var, _bytes_allreduce(plan),
                    jnp.where(active, _bytes_onebit(plan), 0.0)).astype(F32)
   local_mu, accumulator = _per_device(hp, plan, state, sched, g32, mu, outgoing)
