@@ -104,6 +104,7 @@ class Runner:
 
   kinds = KINDS
   replicated_kinds = ("adamw", "naive")
+  option_kinds = ("zero_one",)  # kinds whose runs take options (``run``'s ``zero_one`` slot)
   on_steps = None  # called with the number of steps after each chunk (a progress bar)
 
   def __init__(self, task, mesh, b2: float = 0.999):
@@ -286,8 +287,8 @@ class Runner:
     ``ZERO_ONE_OPTIONS`` (``var_freeze_step`` required).
     """
     assert kind in self.kinds, kind
-    assert (kind == "zero_one") == (zero_one is not None), (kind, zero_one)
-    if zero_one is not None:
+    assert (kind in self.option_kinds) == (zero_one is not None), (kind, zero_one)
+    if kind == "zero_one":
       zero_one = {k: zero_one[k] for k in ZERO_ONE_OPTIONS if k in zero_one}
       assert "var_freeze_step" in zero_one, zero_one
     task, mesh = self.task, self.mesh

@@ -48,9 +48,14 @@ def outer_sgd(learning_rate: float = 0.7, momentum: float = 0.9):
 
 
 def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformation,
-           inner_steps: int, axis_name: Optional[Hashable]
+           inner_steps: int, axis_name: Optional[Hashable], last_step: Optional[int] = None
            ) -> optax.GradientTransformationExtraArgs:
-  """DiLoCo: ``inner_steps`` (H) steps of ``inner`` per device, then ``outer`` on the mean of theta - theta_i."""
+  """DiLoCo: ``inner_steps`` (H) steps of ``inner`` per device, then ``outer`` on the mean of theta - theta_i.
+
+  ``last_step``: the run's last step also ends a round (a shorter one when H
+  does not divide the run), so that no inner progress is left out of the
+  final point.
+  """
   if not isinstance(inner_steps, int) or inner_steps < 1:
     raise ValueError(f"diloco: inner_steps={inner_steps!r} must be an int >= 1.")
   per_device = lambda x: (x[None] if axis_name is None
@@ -71,6 +76,8 @@ def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformat
     offset = jax.tree.map(lambda o, s: o[0] + s.astype(F32), state.offset, steps)
     count = state.count + 1
     sync = count % inner_steps == 0
+    if last_step is not None:
+      sync = sync | (count == last_step)
 
     def outer_step(offset, outer_state):
       delta = jax.tree.map(lambda o: -o, offset)  # theta - theta_i

@@ -27,14 +27,14 @@ B1, B2, EPS = 0.9, 0.999, 1e-8
 C = np.array([[1.0, -2.0, 0.5, 3.0], [-1.0, 0.0, 2.5, 1.0]], np.float32)  # each device's target
 
 
-def _replay(theta):
-  """Two DiLoCo rounds in numpy (float64): per-device AdamW, mean pseudo-gradient, Nesterov SGD."""
+def _replay(theta, rounds=(H,) * ROUNDS):
+  """DiLoCo rounds of the given lengths in numpy (float64): per-device AdamW, mean pseudo-gradient, Nesterov SGD."""
   theta = theta.astype(np.float64)
   m, v = np.zeros((N, theta.size)), np.zeros((N, theta.size))
   trace, t, bytes_sent = np.zeros_like(theta), 0, []
   offsets = np.zeros((N, theta.size))
-  for _ in range(ROUNDS):
-    for _ in range(H):
+  for length in rounds:
+    for _ in range(length):
       t += 1
       for i in range(N):
         x = theta + offsets[i]
@@ -51,10 +51,10 @@ def _replay(theta):
   return theta
 
 
-def _setup(theta, inner):
+def _setup(theta, inner, last_step=None):
   """(step, params, state, targets) on a 2-device mesh; step returns (params, state, wire bytes)."""
   mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
-  tx = _diloco.diloco(inner, _diloco.outer_sgd(OUTER_LR, MOMENTUM), H, "data")
+  tx = _diloco.diloco(inner, _diloco.outer_sgd(OUTER_LR, MOMENTUM), H, "data", last_step)
   params = jax.device_put({"w": jnp.asarray(theta)}, NamedSharding(mesh, P()))
   abstract = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
                                           check_vma=False), params)
@@ -73,10 +73,11 @@ def _setup(theta, inner):
   return step, params, state, jax.device_put(jnp.asarray(C), NamedSharding(mesh, P("data")))
 
 
-def _jax_run(theta):
-  step, params, state, c = _setup(theta, optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD))
+def _jax_run(theta, steps=ROUNDS * H, last_step=None):
+  step, params, state, c = _setup(theta, optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD),
+                                  last_step)
   sent = []
-  for _ in range(ROUNDS * H):
+  for _ in range(steps):
     params, state, wire = step(params, state, c)
     sent.append(float(wire))
   return np.asarray(params["w"]), sent, state
@@ -91,6 +92,13 @@ def test_two_rounds_match_the_numpy_replay():
   # Only the outer steps communicate: one float32 ring all-reduce of the parameters.
   assert sent == [0.0, 0.0, 16.0, 0.0, 0.0, 16.0]
   assert not np.any(np.asarray(state.offset["w"]))  # every device back at theta after a round
+
+
+def test_the_last_step_ends_a_shorter_round():
+  theta0 = np.array([0.3, -0.7, 1.2, 0.0], np.float32)
+  got, sent, _ = _jax_run(theta0, steps=H + 2, last_step=H + 2)
+  np.testing.assert_allclose(got, _replay(theta0, rounds=(H, 2)), rtol=1e-5, atol=1e-6)
+  assert sent == [0.0, 0.0, 16.0, 0.0, 16.0]
 
 
 def test_between_rounds_params_stay_and_each_device_moves_its_own_copy():

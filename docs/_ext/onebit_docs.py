@@ -59,6 +59,7 @@ EXCERPTS = ("_summary", "_freeze")
 RESULT_TITLES = {
     "convergence": "Convergence against a tuned AdamW",
     "convergence_quick": "Convergence, quick protocol (a smoke run)",
+    "frontier": "Bytes against loss: against DiLoCo",
     "comm_throughput": "Throughput on 1 Gbit/s links, 4 processes",
     "comm_throughput_rates": "Throughput at three link rates",
     "comm_throughput_hier": "Hierarchical averaging, 2 nodes x 2 processes",
@@ -86,6 +87,14 @@ RESULT_INTROS = {
         "replay of the freeze rule and the failing references (naive 1-bit Adam, 1-bit "
         "Adam without error feedback) run on the selection seeds. See "
         "{doc}`/guides/freeze` for what the study means for your run."),
+    "frontier": (
+        "Which low-communication optimizer, when: AdamW, 1-bit Adam, 0/1 Adam (with and "
+        "without local steps) and DiLoCo (H inner AdamW steps per device, then an outer "
+        "Nesterov step on the mean pseudo-gradient; a benchmark baseline, not part of the "
+        "package) on the convergence benchmark's tasks, 8 simulated devices, learning rates "
+        "chosen on selection seeds and compared on fresh ones. Each run's final loss against "
+        "the bytes a device sent; then the time to AdamW's loss on slow links in an "
+        "alpha-beta model with the compute measured here."),
     "convergence_quick": (
         "The smoke run of the convergence protocol (`--quick`: one selection seed, two "
         "evaluation seeds, 60–100 steps). Not a result: it shows the pipeline runs."),
@@ -341,8 +350,8 @@ def split_wide_tables(text: str, max_columns: int = MAX_COLUMNS) -> str:
 
 
 # The order of the Results toctree; other results pages follow alphabetically.
-RESULT_ORDER = ("convergence", "comm_throughput", "comm_throughput_rates", "comm_throughput_hier",
-                "scaling_model", "bounded_update", "wire_overhead", "optimizer_compute",
+RESULT_ORDER = ("convergence", "frontier", "comm_throughput", "comm_throughput_rates",
+                "comm_throughput_hier", "scaling_model", "bounded_update", "wire_overhead", "optimizer_compute",
                 "compile_time", "digits_gap", "convergence_quick")
 
 

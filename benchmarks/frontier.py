@@ -1,0 +1,225 @@
+"""Bytes against loss: AdamW, 1-bit Adam, 0/1 Adam and DiLoCo on the same tasks, seeds and devices.
+
+    .venv/bin/python benchmarks/frontier.py                    # both tasks, the whole protocol
+    .venv/bin/python benchmarks/frontier.py --tasks mlm        # one task (runs already in the json are kept)
+    .venv/bin/python benchmarks/frontier.py --report-only      # tables, figure, README excerpt
+
+Not a test: about 1.5 hours on 2 cores; the runs are appended to
+benchmarks/results/frontier.json as they finish (an interrupted invocation
+resumes where it stopped) and a progress bar shows the steps left.
+
+The contestants, data-parallel on 8 simulated CPU devices with the convergence
+benchmark's tasks, data sharding, schedule (linear warmup over 5% of the run,
+cosine decay to 10%) and runner (benchmarks/_conv_runner.py):
+
+* AdamW on the float32 ``pmean`` of the gradients (one all-reduce per step);
+* 1-bit Adam, ``onebit_adam`` with its defaults (the variance-ratio freeze, never
+  before the LR warmup has ended);
+* 0/1 Adam, ``zero_one_adam`` with ``var_freeze_step`` = 2 W and
+  ``var_update_scaler`` 4 (the setting the convergence benchmark reports), and the
+  same with local steps (``local_steps`` 8, ``local_step_scaler`` 32);
+* DiLoCo (Douillard et al., arXiv 2311.08105; benchmarks/_diloco.py): H inner
+  AdamW steps per device, then the paper's outer SGD (Nesterov momentum 0.9) on
+  the float32 mean pseudo-gradient, for H in ``H_GRID``.
+
+Protocol, as in benchmarks/convergence.py: AdamW's peak learning rate is chosen
+on *selection* seeds over the task's grid; every other contestant uses it (the
+package's optimizers at their defaults; DiLoCo as its inner rate), and DiLoCo's
+outer rate is chosen per H over ``OUTER_LRS`` on the same selection seeds. The
+comparison runs on fresh *evaluation* seeds (1000, 1001, ...), disjoint from
+them; the report gives the same-seed (paired) difference to AdamW and its
+standard error. Per run: the final validation loss (the whole held-out set),
+the bytes one device sent (the optimizers' ``wire_bytes``, summed) and the
+communication rounds (steps that sent anything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _conv_report  # pylint: disable=g-import-not-at-top,wrong-import-position
+import _conv_tasks
+import _frontier_runner
+
+RESULTS = HERE / "results"
+TASK_STEPS = {"gpt": 2000, "mlm": 600}
+H_GRID = {"gpt": (4, 16, 64, 256), "mlm": (4, 16, 64)}
+OUTER_LRS = (0.4, 0.7, 1.0)
+ZERO_ONE = dict(var_freeze_step=2, var_update_scaler=4)  # var_freeze_step in units of W
+ZERO_ONE_LOCAL = dict(ZERO_ONE, local_steps=8, local_step_scaler=32)
+EVAL_SEED_OFFSET = 1000
+KEEP = ("kind", "lr", "seed", "final_val", "total_bytes", "wall_s", "val", "eval_steps", "wire",
+        "zero_one", "diloco", "freeze_step")
+
+
+def contestants(task) -> list[tuple[str, str, dict | None]]:
+  """(label, runner kind, options) of every contestant but AdamW; DiLoCo's ``outer_lr`` is chosen later."""
+  zero_one = lambda o: dict(o, var_freeze_step=o["var_freeze_step"] * task.warmup)
+  out = [("1-bit Adam", "onebit", None), ("0/1 Adam", "zero_one", zero_one(ZERO_ONE)),
+         ("0/1 Adam, local steps", "zero_one", zero_one(ZERO_ONE_LOCAL))]
+  return out + [(f"DiLoCo H={h}", "diloco", dict(inner_steps=h)) for h in H_GRID[task.name]]
+
+
+class Store:
+  """The runs in benchmarks/results/frontier.json, keyed by what they ran; saved after each."""
+
+  def __init__(self, path: Path):
+    self.path = path
+    self.doc = json.loads(path.read_text()) if path.exists() else {"runs": [], "invocations": []}
+
+  @staticmethod
+  def key(task, label, lr, options, seed) -> str:
+    return json.dumps([task, label, lr, options, seed], sort_keys=True)
+
+  def get(self, key):
+    return next((r for r in self.doc["runs"] if r["key"] == key), None)
+
+  def add(self, rec: dict) -> None:
+    self.doc["runs"].append(rec)
+    self.save()
+
+  def save(self) -> None:
+    self.path.write_text(json.dumps(_conv_report._clean(self.doc)))
+
+
+class Protocol:
+  """Runs (or finds in the store) every run of one task, with one progress bar."""
+
+  def __init__(self, runner, store: Store, bar, select, fresh):
+    self.runner, self.store, self.bar = runner, store, bar
+    self.select, self.fresh = select, fresh
+
+  def run(self, label, kind, lr, seed, options=None, phase="eval") -> dict:
+    task = self.runner.task
+    key = Store.key(task.name, label, lr, options, seed)
+    rec = self.store.get(key)
+    if rec is None:
+      out = self.runner.run(kind, lr, seed, zero_one=options)
+      rec = {k: out[k] for k in KEEP if k in out}
+      rec.update(key=key, task=task.name, label=label, phase=phase, options=options,
+                 rounds=int(np.count_nonzero(out["wire"])))
+      self.store.add(rec)
+      tqdm.write(f"  {task.name} {label} lr={lr} {options or ''} seed {seed}: "
+                 f"val {rec['final_val']:.4f}, {rec['total_bytes'] / 1e6:.1f} MB, "
+                 f"{rec['rounds']} rounds, {rec['wall_s']:.0f} s")
+    self.bar.update(task.steps)
+    return rec
+
+  def best(self, label, kind, lrs, options_of) -> tuple:
+    """The setting of ``lrs`` x ``options_of`` with the lowest mean final loss on the selection seeds."""
+    scores = {}
+    for lr, options in ((lr, o) for lr in lrs for o in options_of):
+      recs = [self.run(label, kind, lr, s, options, "select") for s in self.select]
+      scores[json.dumps([lr, options])] = np.mean([r["final_val"] for r in recs])
+    return tuple(json.loads(min(scores, key=scores.get)))
+
+  def all(self) -> None:
+    task = self.runner.task
+    lr, _ = self.best("AdamW", "adamw", task.lrs, [None])
+    plan = [("AdamW", "adamw", None)]
+    for label, kind, options in contestants(task):
+      if kind == "diloco":
+        outer = [dict(options, outer_lr=o) for o in OUTER_LRS]
+        _, options = self.best(label, kind, [lr], outer)
+      plan.append((label, kind, options))
+    for label, kind, options in plan:
+      for seed in self.fresh:
+        self.run(label, kind, lr, seed, options)
+
+
+def planned_steps(task, select: int, fresh: int) -> int:
+  """Training steps of the whole protocol of ``task`` (found runs included: the bar counts them)."""
+  diloco = sum(kind == "diloco" for _, kind, _ in contestants(task))
+  runs = (len(task.lrs) + diloco * len(OUTER_LRS)) * select
+  runs += (1 + len(contestants(task))) * fresh
+  return runs * task.steps
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--tasks", nargs="+", default=["mlm", "gpt"], choices=sorted(TASK_STEPS))
+  p.add_argument("--select-seeds", type=int, default=2, help="selection seeds 0..N-1")
+  p.add_argument("--eval-seeds", type=int, default=3, help="evaluation seeds 1000..")
+  p.add_argument("--out", default=str(RESULTS / "frontier.json"))
+  p.add_argument("--report-only", action="store_true")
+  p.add_argument("--time", action="store_true",
+                 help="only measure each evaluated contestant's compute per step (1 device)")
+  p.add_argument("--time-repeats", type=int, default=2)
+  p.add_argument("--no-progress", action="store_true")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  store = Store(Path(args.out))
+  if args.time:
+    measure_compute(args, store)
+  elif not args.report_only:
+    train(args, store)
+  import _frontier_report  # pylint: disable=g-import-not-at-top
+  _frontier_report.write(store.doc, Path(args.out).with_suffix(""))
+
+
+def train(args, store: Store) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_num_cpu_devices", 8)
+  mesh = jax.make_mesh((8,), (_frontier_runner.AXIS,))
+  tasks = [_conv_tasks.make_tasks([name], steps=TASK_STEPS[name])[0] for name in args.tasks]
+  select = tuple(range(args.select_seeds))
+  fresh = tuple(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + args.eval_seeds))
+  total = sum(planned_steps(t, len(select), len(fresh)) for t in tasks)
+  meta = _conv_report.machine_meta(" ".join(["python benchmarks/frontier.py", *sys.argv[1:]]),
+                                   quick=False)
+  wall0 = time.time()
+  with tqdm(total=total, unit="step", disable=args.no_progress, smoothing=0.05) as bar:
+    for task in tasks:
+      bar.set_description(task.name)
+      runner = _frontier_runner.FrontierRunner(task, mesh)
+      Protocol(runner, store, bar, select, fresh).all()
+  store.doc["invocations"].append(_conv_report.finish_meta(meta, wall0))
+  store.save()
+
+
+def measure_compute(args, store: Store) -> None:
+  """Each evaluated contestant's compute per step on one device, whole runs interleaved.
+
+  One device, the per-device batch of the 8-device runs, no communication at
+  all: the alpha-beta model adds that (benchmarks/_frontier_time.py). The
+  contestants take turns, ``--time-repeats`` times, and each chunk keeps its
+  fastest repeat, so a change in the machine's load falls on all of them.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_num_cpu_devices", 8)
+  mesh = jax.make_mesh((1,), (_frontier_runner.AXIS,), devices=jax.devices()[:1])
+  for name in args.tasks:
+    task = _conv_tasks.make_tasks([name], steps=TASK_STEPS[name])[0]
+    runner = _frontier_runner.FrontierRunner(task, mesh)
+    first = {}
+    for r in store.doc["runs"]:
+      if r["task"] == name and r["phase"] == "eval":
+        first.setdefault(r["label"], r)
+    meta = _conv_report.machine_meta("python benchmarks/frontier.py " + " ".join(sys.argv[1:]),
+                                     quick=False)
+    seconds, wall0 = {label: [] for label in first}, time.time()
+    for _ in range(args.time_repeats):
+      for label, r in first.items():
+        seconds[label].append(runner.chunk_seconds(r["kind"], r["lr"], r["seed"], r["options"]))
+        tqdm.write(f"  {name} {label}: {sum(seconds[label][-1]) / task.steps * 1e3:.2f} ms/step")
+    store.doc.setdefault("compute", {})[name] = dict(
+        _conv_report.finish_meta(meta, wall0), chunk=task.chunk, steps=task.steps,
+        size=runner.size, seconds={k: np.min(v, axis=0).tolist() for k, v in seconds.items()})
+    store.save()
+
+
+if __name__ == "__main__":
+  main()
