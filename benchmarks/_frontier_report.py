@@ -139,7 +139,23 @@ def summary(doc, tasks) -> list[str]:
           f"{r['label']} ({r['paired']['mean']:+.1f}%, {adamw['mb'] / r['mb']:.0f}x fewer bytes)"
           for r in worst if r["paired"])
     out.append(text + ".")
-  return out + _time_sentence(doc, tasks)
+  return out + _time_sentence(doc, tasks) + _shift_sentence()
+
+
+def _shift_sentence(path: Path = Path(__file__).resolve().parent / "results" / "data_shift.json"
+                    ) -> list[str]:
+  """DiLoCo's gap to AdamW before and after the data shift, beside 1-bit Adam's (data_shift.py)."""
+  if not path.exists():
+    return []
+  import _shift_report  # pylint: disable=g-import-not-at-top
+  summ = _shift_report.summary(json.loads(path.read_text()))
+  if "diloco" not in summ or "onebit" not in summ or not summ["diloco"]["after"]:
+    return []
+  gap = lambda kind, key: "{:+.2f}% (s.e. {:.2f}%)".format(*summ[kind][key][:2])
+  return [f"Through the data shift (benchmarks/data_shift.py, {summ['diloco']['after_ms'][2]} "
+          f"seeds), DiLoCo's gap to AdamW went from {gap('diloco', 'before_ms')} to "
+          f"{gap('diloco', 'after_ms')}, 1-bit Adam's from {gap('onebit', 'before_ms')} to "
+          f"{gap('onebit', 'after_ms')}."]
 
 
 def _time_sentence(doc, tasks) -> list[str]:

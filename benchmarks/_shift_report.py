@@ -12,10 +12,11 @@ LABELS = dict(
     zero_one="0/1 Adam, v refreshed (var_freeze_step = T)",
     zero_one_step="0/1 Adam, v refreshed, per-step EMA (variance_ema='per_step')",
     onebit_restart="1-bit Adam, new state at the shift (remedy)",
+    diloco="DiLoCo (H inner AdamW steps per device, outer Nesterov SGD)",
     adamw_noshift="control: AdamW, no shift (prose throughout)",
     onebit_noshift="control: 1-bit Adam (default freeze), no shift",
 )
-MAIN = ("adamw", "onebit", "zero_one", "zero_one_step", "onebit_restart")
+MAIN = ("adamw", "onebit", "zero_one", "zero_one_step", "onebit_restart", "diloco")
 
 
 def _base(kind):
@@ -121,7 +122,7 @@ def summary(results) -> dict:
     out[kind] = dict(before=before, after=after, delta=delta,
                      before_ms=_mean_se(before.values()), after_ms=_mean_se(after.values()),
                      delta_ms=_mean_se(delta.values()))
-  for kind in ("zero_one", "zero_one_step", "onebit_restart"):
+  for kind in ("zero_one", "zero_one_step", "onebit_restart", "diloco"):
     if kind in out and "onebit" in out:
       a, b = out[kind]["after"], out["onebit"]["after"]
       d = {s: a[s] - b[s] for s in a if s in b}
@@ -184,7 +185,7 @@ def _verdict(results, summ) -> list[str]:
            "addition is not distinguishable from seed noise." if n_s > 1 else ".") + "\n")
   for kind, name in (("zero_one", "0/1 Adam's refresh"),
                      ("zero_one_step", "0/1 Adam's refresh with the per-step EMA"),
-                     ("onebit_restart", "The restart remedy")):
+                     ("onebit_restart", "The restart remedy"), ("diloco", "DiLoCo")):
     if kind not in summ or not summ[kind]["after"]:
       continue
     s = summ[kind]
@@ -375,6 +376,12 @@ def write(results, out: str) -> None:
         f"(same freeze rule, schedule continued: `lambda c: schedule(c + {half})`) from its "
         "parameters: a second full-precision warmup measures the new variance and freezes it "
         "again. Public API only.",
+        diloco=f"benchmarks/_diloco.py: {cfg.get('diloco_inner_steps')} inner `optax.adamw` "
+        "steps per device on its own data (its gradient clipped on its own), then the mean "
+        "pseudo-gradient through `optax.sgd(outer lr "
+        f"{cfg.get('diloco_outer_lr')}, momentum=0.9, nesterov=True)`; the inner states stay with "
+        "their device; a float32 all-reduce of the model every H steps. The preconditioner table "
+        "shows device 0's inner v.",
         adamw_noshift="the control: `adamw` with prose for all the steps (same seeds, same "
         "first half).",
         onebit_noshift="the control: `onebit` with prose for all the steps.")[kind])
@@ -546,7 +553,7 @@ def _plot(results, path):
   cfg = results["config"]
   half = cfg["steps"] // 2
   colors = dict(adamw="k", onebit="tab:red", zero_one="tab:blue", zero_one_step="tab:purple",
-                onebit_restart="tab:green",
+                diloco="tab:orange", onebit_restart="tab:green",
                 adamw_noshift="gray", onebit_noshift="salmon")
   styles = dict(onebit_restart="--", adamw_noshift=":", onebit_noshift=":")
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))

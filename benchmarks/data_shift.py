@@ -66,6 +66,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import _convergence_model as lm  # noqa: E402
+import _diloco  # noqa: E402
 import _provenance  # noqa: E402
 import _shift_report  # noqa: E402
 
@@ -75,7 +76,9 @@ from onebit_optax import _collective  # noqa: E402
 N, AXIS = 8, "data"
 B1, B2 = 0.9, 0.999
 CODE_BYTES = 2_000_000
-KINDS = ("adamw", "onebit", "zero_one", "zero_one_step", "onebit_restart")
+KINDS = ("adamw", "onebit", "zero_one", "zero_one_step", "onebit_restart", "diloco")
+# Options added after the first runs: an --append may add them to the stored configuration.
+ADDED_OPTIONS = ("diloco_inner_steps", "diloco_outer_lr")
 # The control: the same runs without the shift (prose all the way): does the gap
 # grow with time anyway?
 CONTROLS = ("adamw_noshift", "onebit_noshift")
@@ -137,6 +140,10 @@ def make_tx(kind: str, cfg, offset: int = 0):
         sched, axis_name=AXIS, var_freeze_step=cfg["steps"],
         var_update_scaler=cfg["var_update_scaler"],
         variance_ema="per_step" if kind == "zero_one_step" else "per_update", **common)
+  if kind == "diloco":  # each device clips its own gradient: it trains on its own between rounds
+    inner = optax.chain(optax.clip_by_global_norm(cfg["clip"]), optax.adamw(sched, **common))
+    return _diloco.diloco(inner, _diloco.outer_sgd(cfg["diloco_outer_lr"]),
+                          cfg["diloco_inner_steps"], AXIS, last_step=cfg["steps"])
   raise ValueError(kind)
 
 
@@ -149,7 +156,7 @@ def _find(tree, cls):
 
 def family(kind: str) -> str:
   return {"adamw": "adamw", "onebit": "onebit", "onebit_restart": "onebit",
-          "zero_one": "zero_one", "zero_one_step": "zero_one"}[base_kind(kind)]
+          "zero_one": "zero_one", "zero_one_step": "zero_one", "diloco": "diloco"}[base_kind(kind)]
 
 
 class Trainer:
@@ -190,6 +197,11 @@ class Trainer:
     elif fam == "onebit":
       opt = onebit_optax.init_sharded(tx, params, self.mesh, AXIS)
       specs = onebit_optax.state_partition_specs(opt, AXIS)
+    elif fam == "diloco":
+      init = lambda specs, check=True: jax.shard_map(tx.init, mesh=self.mesh, in_specs=(P(),),
+                                                     out_specs=specs, check_vma=check)
+      specs = _diloco.partition_specs(jax.eval_shape(init(P(), False), params), AXIS)
+      opt = jax.jit(init(specs))(params)
     else:
       opt = onebit_optax.init_sharded(tx, params, self.mesh)
       specs = onebit_optax.state_partition_specs(opt, AXIS)
@@ -208,17 +220,20 @@ class Trainer:
       x, y = batch
       if fam == "zero_one":
         local = onebit_optax.local_params(params, AXIS, opt)
+      elif fam == "diloco":  # this device's point (a per-device value: local gradients)
+        local = _diloco.local_point(params, opt)
       else:
         local = onebit_optax.local_params(params, AXIS)
       loss, grads = jax.value_and_grad(self.loss)(local, x, y)
-      grads, _ = clip.update(grads, clip.init(None))
+      if fam != "diloco":  # (DiLoCo's inner chain clips each device's own gradient)
+        grads, _ = clip.update(grads, clip.init(None))
       if fam == "adamw":
         updates, opt = tx.update(jax.lax.pmean(grads, AXIS), opt, params)
         wire = allreduce
       else:
         updates, opt = tx.update(grads, opt, params)
-        cls = (onebit_optax.ScaleByOnebitAdamState if fam == "onebit"
-               else onebit_optax.ScaleByZeroOneAdamState)
+        cls = {"onebit": onebit_optax.ScaleByOnebitAdamState, "diloco": _diloco.DiLoCoState,
+               "zero_one": onebit_optax.ScaleByZeroOneAdamState}[fam]
         wire = _find(opt, cls).wire_bytes.astype(jnp.float32)
       return optax.apply_updates(params, updates), opt, (loss[None], wire)
 
@@ -282,6 +297,10 @@ def v_hat_groups(kind, opt):
     s = _find(opt, onebit_optax.ScaleByOnebitAdamState)
     t = int(s.freeze_step) if bool(s.frozen) else int(s.count)
     nu, corr = s.nu, 1.0 - B2 ** max(t, 1)
+  elif fam == "diloco":  # device 0's inner AdamW
+    s = _find(opt.inner, optax.ScaleByAdamState)
+    nu = jax.tree.map(lambda v: np.asarray(v)[0], jax.device_get(s.nu))
+    corr = 1.0 - B2 ** max(int(np.asarray(jax.device_get(s.count))[0]), 1)
   else:
     s = _find(opt, onebit_optax.ScaleByZeroOneAdamState)
     last = int(s.variance_step) if kind == "zero_one_step" else int(s.variance_updates)
@@ -388,6 +407,8 @@ def main(argv=None):
   parser.add_argument("--val-seqs", type=int, default=256)
   parser.add_argument("--lr", type=float, default=3e-3)
   parser.add_argument("--var-update-scaler", type=int, default=16)
+  parser.add_argument("--diloco-inner-steps", type=int, default=16, help="DiLoCo's H")
+  parser.add_argument("--diloco-outer-lr", type=float, default=0.7)
   parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS + CONTROLS)
   parser.add_argument("--append", action="store_true",
                       help="add the runs (kind, seed) not yet done to the existing json (same "
@@ -416,7 +437,8 @@ def main(argv=None):
              heads=args.heads, seq_len=args.seq_len, batch_per_device=args.batch_per_device,
              eval_every=args.eval_every, val_seqs=args.val_seqs,
              var_update_scaler=args.var_update_scaler, devices=N, b1=B1, b2=B2,
-             code_bytes=CODE_BYTES)
+             code_bytes=CODE_BYTES, diloco_inner_steps=args.diloco_inner_steps,
+             diloco_outer_lr=args.diloco_outer_lr)
   wall0 = time.time()
   mesh = jax.make_mesh((N,), (AXIS,))
   data = corpora()
@@ -440,10 +462,12 @@ def main(argv=None):
   if args.append:
     with open(out + ".json") as f:
       results = json.load(f)
-    old = {k: v for k, v in results["config"].items()}
+    old = dict(results["config"])
+    old.update({k: cfg[k] for k in ADDED_OPTIONS if k not in old})  # (stored runs predate them)
     if old != cfg:
       raise SystemExit(f"--append: the configuration differs from {out}.json's: "
                        f"{ {k: (old.get(k), v) for k, v in cfg.items() if old.get(k) != v} }")
+    results["config"] = old
     results["runs"] = [r for r in results["runs"] if r["done"] and not (
         args.rerun and r["kind"] in args.kinds and r["seed"] in args.seeds)]
     results["meta"].setdefault("invocations", [
