@@ -3,7 +3,8 @@
 
     python3 dev.py demo [ARGS...]   # the main job: Adam vs 1-bit Adam on 8 simulated CPU devices
     python3 dev.py test [ARGS...]   # the test suite (pytest; extra ARGS are passed on;
-                                    # -m '' adds the few tests marked slow, as CI does)
+                                    # -m '' adds the few tests marked slow, as CI does;
+                                    # one worker per core, a test file per worker: -n 0 for one)
     python3 dev.py docs [ARGS...]   # the docs site into docs/_build/html (warnings are errors)
     python3 dev.py env              # only create/refresh the virtual environment
 
@@ -130,8 +131,21 @@ def main(argv: list[str]) -> int:
       print(f"[dev.py] docs built: {out / 'index.html'}", flush=True)
     return status
   else:
-    args = [str(py), "-m", "pytest", *rest]
+    args = [str(py), "-m", "pytest", *_workers(rest), *rest]
   return subprocess.call(args, cwd=ROOT)
+
+
+def _workers(rest: list[str]) -> list[str]:
+  """pytest-xdist options: one worker per core (at most 4), each test file on one worker.
+
+  The suite mostly compiles, one XLA compilation at a time per process, so a
+  worker per core runs it about twice as fast on 2 cores; a file stays on one
+  worker so its module-level fixtures compile once. Given ``-n`` (``-n 0``: no
+  workers) or ``-p no:xdist``, pytest gets what was given.
+  """
+  given = any(a in ("-n", "--numprocesses", "no:xdist") or a.startswith(("-n", "--numprocesses="))
+              for a in rest)
+  return [] if given else ["-n", str(min(os.cpu_count() or 1, 4)), "--dist", "loadfile"]
 
 
 if __name__ == "__main__":
