@@ -55,17 +55,39 @@ def _setting(rec) -> str:
 
 
 def level(row) -> bool:
+  """Level with AdamW: the paired mean + 2 s.e. is below +LEVEL%."""
   p = row["paired"]
   return p is not None and p["n"] > 1 and p["mean"] + 2 * p["se"] < LEVEL
 
 
+def worse(row) -> bool:
+  """Worse than AdamW: the paired mean - 2 s.e. is above +LEVEL%."""
+  p = row["paired"]
+  return p is not None and p["n"] > 1 and p["mean"] - 2 * p["se"] > LEVEL
+
+
+def _listed(items, adamw) -> str:
+  return ", ".join(f"{r['label']} ({r['paired']['mean']:+.1f}%, s.e. {r['paired']['se']:.1f}%; "
+                   f"{adamw['mb'] / r['mb']:.0f}x fewer bytes)" for r in items)
+
+
 def _selection_md(doc, task) -> list[str]:
-  out = ["| contestant | setting | selection seeds | mean final val. loss |", "|---|---|---|---|"]
+  """The selection runs, the chosen setting marked, and said when it is the edge of what was tried."""
+  chosen = {r["label"]: _setting(r) for r in _by(doc, task, "eval")}
+  out = ["| contestant | setting | selection seeds | mean final val. loss | chosen |",
+         "|---|---|---|---|---|"]
   groups = {}
   for r in _by(doc, task, "select"):
-    groups.setdefault((r["label"], _setting(r)), []).append(r["final_val"])
-  for (label, setting), vals in groups.items():
-    out.append(f"| {label} | {setting} | {len(vals)} | {np.mean(vals):.4f} |")
+    groups.setdefault((r["label"], _setting(r)), []).append(r)
+  for (label, setting), recs in groups.items():
+    mark = ""
+    if chosen.get(label) == setting:
+      tried = [r for (lab, _), rs in groups.items() if lab == label for r in rs]
+      knob = (lambda r: r["options"]["outer_lr"]) if recs[0]["options"] else (lambda r: r["lr"])
+      edge = knob(recs[0]) in (min(map(knob, tried)), max(map(knob, tried)))
+      mark = "**chosen**" + (" (an edge of what was tried)" if edge else "")
+    out.append(f"| {label} | {setting} | {len(recs)} | "
+               f"{np.mean([r['final_val'] for r in recs]):.4f} | {mark} |")
   return out
 
 
@@ -125,19 +147,20 @@ def summary(doc, tasks) -> list[str]:
       continue
     fine = [r for r in task_rows if level(r)]
     best = min(fine, key=lambda r: r["mb"]) if fine else None
-    worst = [r for r in task_rows if not level(r)]
     text = f"On the {TITLES.get(task, task)} ({adamw['n']} fresh seeds), "
     if best is None:
-      text += f"no contestant stayed level with tuned AdamW (paired mean + 2 s.e. < +{LEVEL:g}%)"
+      text += f"no contestant was shown level with tuned AdamW (paired mean + 2 s.e. < +{LEVEL:g}%)"
     else:
       p = best["paired"]
       text += (f"the fewest bytes at AdamW's loss (paired mean + 2 s.e. < +{LEVEL:g}%) were "
                f"{best['label']}'s: {adamw['mb'] / best['mb']:.0f}x fewer than AdamW, "
                f"{p['mean']:+.2f}% (s.e. {p['se']:.2f}%)")
-    if worst:
-      text += "; not level: " + ", ".join(
-          f"{r['label']} ({r['paired']['mean']:+.1f}%, {adamw['mb'] / r['mb']:.0f}x fewer bytes)"
-          for r in worst if r["paired"])
+    bad = [r for r in task_rows if worse(r)]
+    open_ = [r for r in task_rows if r["paired"] and not level(r) and not worse(r)]
+    if bad:
+      text += "; worse (paired mean - 2 s.e. > +" + f"{LEVEL:g}%): " + _listed(bad, adamw)
+    if open_:
+      text += f"; not resolved at {adamw['n']} seeds: " + _listed(open_, adamw)
     out.append(text + ".")
   return out + _time_sentence(doc, tasks) + _shift_sentence()
 

@@ -66,9 +66,9 @@ def test_the_summary_names_the_fewest_bytes_among_those_level_with_adamw():
   assert _frontier_report.level(rows["A"]) and not _frontier_report.level(rows["B"])
   text = _frontier_report.summary(doc, ["t"])[0]
   assert "were A's: 10x fewer than AdamW" in text
-  assert "not level: B (+5.5%, 4x fewer bytes)" in text
+  assert "worse (paired mean - 2 s.e. > +1%): B (+5.5%, s.e. 0.3%; 4x fewer bytes)" in text
 
 
 def test_the_summary_says_so_when_nobody_is_level():
   text = _frontier_report.summary(_doc(([3.0, 2.0, 4.0], [5.0, 6.0, 5.5])), ["t"])[0]
-  assert "no contestant stayed level with tuned AdamW" in text
+  assert "no contestant was shown level with tuned AdamW" in text
