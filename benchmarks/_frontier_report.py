@@ -113,6 +113,8 @@ def plot(doc, tasks, path: Path) -> None:
   fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.8), squeeze=False)
   for ax, task in zip(axes[0], tasks):
     for r in rows(doc, task):
+      if r["label"] == "AdamW":
+        ax.axhline(r["val"].mean(), color="gray", ls=":", lw=1)
       se = r["val"].std(ddof=1) / math.sqrt(r["n"]) if r["n"] > 1 else 0.0
       ax.errorbar(r["mb"], r["val"].mean(), yerr=se, fmt="o", capsize=3)
       ax.annotate(r["label"], (r["mb"], r["val"].mean()), textcoords="offset points",

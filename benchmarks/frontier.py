@@ -1,10 +1,11 @@
 """Bytes against loss: AdamW, 1-bit Adam, 0/1 Adam and DiLoCo on the same tasks, seeds and devices.
 
     .venv/bin/python benchmarks/frontier.py                    # both tasks, the whole protocol
+    .venv/bin/python benchmarks/frontier.py --diloco-select gpt=1   # as run: GPT's outer lr on 1 seed
     .venv/bin/python benchmarks/frontier.py --tasks mlm        # one task (runs already in the json are kept)
     .venv/bin/python benchmarks/frontier.py --report-only      # tables, figure, README excerpt
 
-Not a test: about 1.5 hours on 2 cores; the runs are appended to
+Not a test: about 2.5 hours on 2 cores (a 2000-step GPT run takes 100 s); the runs are appended to
 benchmarks/results/frontier.json as they finish (an interrupted invocation
 resumes where it stopped) and a progress bar shows the steps left.
 
@@ -98,9 +99,9 @@ class Store:
 class Protocol:
   """Runs (or finds in the store) every run of one task, with one progress bar."""
 
-  def __init__(self, runner, store: Store, bar, select, fresh):
+  def __init__(self, runner, store: Store, bar, select, fresh, diloco_seeds=None):
     self.runner, self.store, self.bar = runner, store, bar
-    self.select, self.fresh = select, fresh
+    self.select, self.fresh, self.diloco_seeds = select, fresh, diloco_seeds
 
   def run(self, label, kind, lr, seed, options=None, phase="eval") -> dict:
     task = self.runner.task
@@ -118,10 +119,10 @@ class Protocol:
     self.bar.update(task.steps)
     return rec
 
-  def _score(self, label, kind, lr, options) -> float:
-    """Mean final loss on the selection seeds."""
+  def _score(self, label, kind, lr, options, seeds=None) -> float:
+    """Mean final loss on the selection seeds (``seeds``: the first few of them)."""
     return float(np.mean([self.run(label, kind, lr, s, options, "select")["final_val"]
-                          for s in self.select]))
+                          for s in self.select[:seeds]]))
 
   def best_lr(self) -> float:
     """AdamW's peak learning rate over the task's grid, extended by 3x at an edge (twice at most)."""
@@ -138,17 +139,19 @@ class Protocol:
 
   def best_outer(self, label, lr, options) -> dict:
     """DiLoCo's outer lr: ``OUTER_LRS``, halved while the best is the smallest (twice at most)."""
-    scores = {o: self._score(label, "diloco", lr, dict(options, outer_lr=o)) for o in OUTER_LRS}
+    seeds = self.diloco_seeds
+    score = lambda o: self._score(label, "diloco", lr, dict(options, outer_lr=o), seeds)
+    scores = {o: score(o) for o in OUTER_LRS}
     for _ in range(MAX_EXTENSIONS):
       if min(scores, key=scores.get) != min(scores):
         break
-      self._expect(1)
+      self._expect(1, seeds)
       new = round(min(scores) / 2, 6)
-      scores[new] = self._score(label, "diloco", lr, dict(options, outer_lr=new))
+      scores[new] = score(new)
     return dict(options, outer_lr=min(scores, key=scores.get))
 
-  def _expect(self, settings: int) -> None:
-    self.bar.total += settings * len(self.select) * self.runner.task.steps
+  def _expect(self, settings: int, seeds=None) -> None:
+    self.bar.total += settings * len(self.select[:seeds]) * self.runner.task.steps
     self.bar.refresh()
 
   def all(self) -> None:
@@ -163,10 +166,10 @@ class Protocol:
         self.run(label, kind, lr, seed, options)
 
 
-def planned_steps(task, select: int, fresh: int) -> int:
+def planned_steps(task, select: int, fresh: int, diloco_select: int) -> int:
   """Training steps of the whole protocol of ``task`` (found runs included: the bar counts them)."""
   diloco = sum(kind == "diloco" for _, kind, _ in contestants(task))
-  runs = (len(task.lrs) + diloco * len(OUTER_LRS)) * select
+  runs = len(task.lrs) * select + diloco * len(OUTER_LRS) * diloco_select
   runs += (1 + len(contestants(task))) * fresh
   return runs * task.steps
 
@@ -176,6 +179,9 @@ def parse_args(argv=None):
   p.add_argument("--tasks", nargs="+", default=["mlm", "gpt"], choices=sorted(TASK_STEPS))
   p.add_argument("--select-seeds", type=int, default=2, help="selection seeds 0..N-1")
   p.add_argument("--eval-seeds", type=int, default=3, help="evaluation seeds 1000..")
+  p.add_argument("--diloco-select", nargs="*", default=[], metavar="TASK=SEEDS",
+                 help="DiLoCo's outer lr chosen on the first SEEDS selection seeds of TASK "
+                 "(default: all of them), e.g. gpt=1")
   p.add_argument("--out", default=str(RESULTS / "frontier.json"))
   p.add_argument("--report-only", action="store_true")
   p.add_argument("--time", action="store_true",
@@ -203,7 +209,9 @@ def train(args, store: Store) -> None:
   tasks = [_conv_tasks.make_tasks([name], steps=TASK_STEPS[name])[0] for name in args.tasks]
   select = tuple(range(args.select_seeds))
   fresh = tuple(range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + args.eval_seeds))
-  total = sum(planned_steps(t, len(select), len(fresh)) for t in tasks)
+  diloco_seeds = {k: int(v) for k, v in (a.split("=") for a in args.diloco_select)}
+  total = sum(planned_steps(t, len(select), len(fresh), diloco_seeds.get(t.name, len(select)))
+              for t in tasks)
   meta = _conv_report.machine_meta(" ".join(["python benchmarks/frontier.py", *sys.argv[1:]]),
                                    quick=False)
   wall0 = time.time()
@@ -211,7 +219,7 @@ def train(args, store: Store) -> None:
     for task in tasks:
       bar.set_description(task.name)
       runner = _frontier_runner.FrontierRunner(task, mesh)
-      Protocol(runner, store, bar, select, fresh).all()
+      Protocol(runner, store, bar, select, fresh, diloco_seeds.get(task.name)).all()
   store.doc["invocations"].append(_conv_report.finish_meta(meta, wall0))
   store.save()
 
