@@ -188,12 +188,16 @@ def _time_sentence(doc, tasks) -> list[str]:
   parts = []
   for task in tasks:
     for n in _frontier_time.WORKERS:
-      won = _frontier_time.fastest(doc, task, rows, n, 1e8)
+      for slack in _frontier_time.SLACKS:  # AdamW's loss; where nobody reaches it, 2% above
+        won = _frontier_time.fastest(doc, task, rows, n, 1e8, slack)
+        if won is not None:
+          break
       if won is None:
         continue
       label, secs, adamw = won
       versus = f"AdamW {adamw:.0f} s" if adamw else "AdamW on no seed"
-      parts.append(f"{label} on the {task} with {n} workers ({secs:.0f} s; {versus})")
+      within = f", to within {slack:.0%} of it" if slack else ""
+      parts.append(f"{label} on the {task} with {n} workers{within} ({secs:.0f} s; {versus})")
   if not parts:
     return []
   return ["On 100 Mbit/s links (alpha-beta model, this machine's compute per step), the first "
