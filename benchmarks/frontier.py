@@ -27,9 +27,9 @@ Protocol, as in benchmarks/convergence.py: AdamW's peak learning rate is chosen
 on *selection* seeds over the task's grid; every other contestant uses it (the
 package's optimizers at their defaults; DiLoCo as its inner rate), and DiLoCo's
 outer rate is chosen per H on the same selection seeds, from ``OUTER_LRS`` (the
-paper's 0.7 and below), halved while the smallest tried is the best. A grid's
-best at an edge is extended (AdamW's by 3x, DiLoCo's outer rate by halving),
-twice at most. The comparison runs on fresh *evaluation* seeds (1000, 1001,
+paper's 0.7 and below), halved while the smallest tried is the best, and 1.0
+tried when 0.7 is. A grid's best at an edge is extended (AdamW's by 3x,
+DiLoCo's outer rate by halving), twice at most. The comparison runs on fresh *evaluation* seeds (1000, 1001,
 ...), disjoint from them; the report gives the same-seed (paired) difference to AdamW and its
 standard error. Per run: the final validation loss (the whole held-out set),
 the bytes one device sent (the optimizers' ``wire_bytes``, summed) and the
@@ -58,6 +58,7 @@ RESULTS = HERE / "results"
 TASK_STEPS = {"gpt": 2000, "mlm": 600}
 H_GRID = {"gpt": (4, 16, 64, 256), "mlm": (4, 16, 64)}
 OUTER_LRS = (0.4, 0.7)  # then halved while the smallest is best (MAX_EXTENSIONS times at most)
+OUTER_MAX = 1.0  # tried when the largest of OUTER_LRS is best (SGD with Nesterov momentum 0.9)
 MAX_EXTENSIONS = 2
 ZERO_ONE = dict(var_freeze_step=2, var_update_scaler=4)  # var_freeze_step in units of W
 ZERO_ONE_LOCAL = dict(ZERO_ONE, local_steps=8, local_step_scaler=32)
@@ -87,6 +88,15 @@ class Store:
 
   def get(self, key):
     return next((r for r in self.doc["runs"] if r["key"] == key), None)
+
+  def supersede(self, task, label, lr, options) -> None:
+    """Moves ``label``'s evaluation runs of another setting (an earlier choice) to ``superseded``."""
+    old = [r for r in self.doc["runs"] if r["task"] == task and r["label"] == label
+           and r["phase"] == "eval" and (r["lr"], r["options"]) != (lr, options)]
+    if old:
+      self.doc.setdefault("superseded", []).extend(old)
+      self.doc["runs"] = [r for r in self.doc["runs"] if not any(r is o for o in old)]
+      self.save()
 
   def add(self, rec: dict) -> None:
     self.doc["runs"].append(rec)
@@ -138,15 +148,20 @@ class Protocol:
     return min(scores, key=scores.get)
 
   def best_outer(self, label, lr, options) -> dict:
-    """DiLoCo's outer lr: ``OUTER_LRS``, halved while the best is the smallest (twice at most)."""
+    """DiLoCo's outer lr: ``OUTER_LRS``, halved while the best is the smallest (twice at most),
+    or ``OUTER_MAX`` tried when the best is the largest."""
     seeds = self.diloco_seeds
     score = lambda o: self._score(label, "diloco", lr, dict(options, outer_lr=o), seeds)
     scores = {o: score(o) for o in OUTER_LRS}
     for _ in range(MAX_EXTENSIONS):
-      if min(scores, key=scores.get) != min(scores):
+      best = min(scores, key=scores.get)
+      if best == max(scores) and best < OUTER_MAX:
+        new = OUTER_MAX
+      elif best == min(scores):
+        new = round(best / 2, 6)
+      else:
         break
       self._expect(1, seeds)
-      new = round(min(scores) / 2, 6)
       scores[new] = score(new)
     return dict(options, outer_lr=min(scores, key=scores.get))
 
@@ -162,6 +177,7 @@ class Protocol:
         options = self.best_outer(label, lr, options)
       plan.append((label, kind, options))
     for label, kind, options in plan:
+      self.store.supersede(self.runner.task.name, label, lr, options)
       for seed in self.fresh:
         self.run(label, kind, lr, seed, options)
 
