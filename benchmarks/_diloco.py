@@ -17,7 +17,7 @@ the state holds each device's progress :math:`\\theta_i - \\theta`
 returns zeros on inner steps and the outer update on every ``H``-th step,
 where the all-reduce runs (inside a ``lax.cond`` on the replicated count: only
 those steps communicate). Build the state with ``jax.shard_map(tx.init,
-out_specs=partition_specs(...))``.
+out_specs=partition_specs(...))``, or with :func:`init_sharded`.
 """
 
 from __future__ import annotations
@@ -103,6 +103,14 @@ def diloco(inner: optax.GradientTransformation, outer: optax.GradientTransformat
 def local_point(params, state: DiLoCoState):
   """This device's parameters :math:`\\theta_i = \\theta + (\\theta_i - \\theta)`: take the gradient here."""
   return jax.tree.map(lambda p, o: p + o[0].astype(jnp.result_type(p)), params, state.offset)
+
+
+def init_sharded(tx, params, mesh, axis_name: Hashable):
+  """``(state, specs)``: ``tx.init`` under ``jax.shard_map`` over ``mesh``, its fields laid out by :func:`partition_specs`."""
+  init = lambda specs, check=True: jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),),
+                                                 out_specs=specs, check_vma=check)
+  specs = partition_specs(jax.eval_shape(init(P(), False), params), axis_name)
+  return jax.jit(init(specs))(params), specs
 
 
 def partition_specs(state: DiLoCoState, axis_name: Hashable) -> DiLoCoState:

@@ -47,11 +47,9 @@ class FrontierRunner(_conv_runner.Runner):
   def _init(self, kind, params, zero_one=None):
     if kind != "diloco":
       return super()._init(kind, params, zero_one)
-    tx = self.make_tx(kind, zero_one=zero_one)
-    init = lambda specs, check=True: jax.shard_map(tx.init, mesh=self.mesh, in_specs=(P(),),
-                                                   out_specs=specs, check_vma=check)
-    specs = _diloco.partition_specs(jax.eval_shape(init(P(), False), params), AXIS)
-    carry = {"opt": jax.jit(init(specs))(params),
+    opt, specs = _diloco.init_sharded(self.make_tx(kind, zero_one=zero_one), params, self.mesh,
+                                      AXIS)
+    carry = {"opt": opt,
              "step": jax.device_put(jnp.zeros([], jnp.int32), NamedSharding(self.mesh, P()))}
     return carry, {"opt": specs, "step": P()}
 

@@ -198,10 +198,7 @@ class Trainer:
       opt = onebit_optax.init_sharded(tx, params, self.mesh, AXIS)
       specs = onebit_optax.state_partition_specs(opt, AXIS)
     elif fam == "diloco":
-      init = lambda specs, check=True: jax.shard_map(tx.init, mesh=self.mesh, in_specs=(P(),),
-                                                     out_specs=specs, check_vma=check)
-      specs = _diloco.partition_specs(jax.eval_shape(init(P(), False), params), AXIS)
-      opt = jax.jit(init(specs))(params)
+      opt, specs = _diloco.init_sharded(tx, params, self.mesh, AXIS)
     else:
       opt = onebit_optax.init_sharded(tx, params, self.mesh)
       specs = onebit_optax.state_partition_specs(opt, AXIS)

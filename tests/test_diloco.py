@@ -56,10 +56,7 @@ def _setup(theta, inner, last_step=None):
   mesh = jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
   tx = _diloco.diloco(inner, _diloco.outer_sgd(OUTER_LR, MOMENTUM), H, "data", last_step)
   params = jax.device_put({"w": jnp.asarray(theta)}, NamedSharding(mesh, P()))
-  abstract = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=P(),
-                                          check_vma=False), params)
-  specs = _diloco.partition_specs(abstract, "data")
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(P(),), out_specs=specs))(params)
+  state, specs = _diloco.init_sharded(tx, params, mesh, "data")
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("data")),
