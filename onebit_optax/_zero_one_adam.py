@@ -152,7 +152,7 @@ def _doubled(counter, interval, scaler, cap=None):
 
 
 def _next_state(hp, plan, state, sched: _steps.Schedule, res: _steps.Result):
-  """The new state: a skipped variance/compressed step keeps everything but the counters of skips."""
+  """The new state: a skipped step keeps everything but the counters of skips (and drops the error feedback)."""
   is_local = sched.kind == _steps.LOCAL
   # A non-finite sync drops the interval's local steps, which were taken: the count goes on.
   advance = res.finite | (is_local & (hp.local_steps is not None))
@@ -394,8 +394,9 @@ def scale_by_zero_one_adam(
   convention, and :math:`d_{i,t}` is floored but not clipped.
 
   **Non-finite gradients** skip a variance, compressed or (without local
-  steps) sync step on every device together (zero update, state kept but a
-  sync's error feedback, ``skipped_steps`` + 1; the flag is read off the
+  steps) sync step on every device together (zero update, state kept but the
+  error feedback of a compressed step or sync, which restarts from zero as 1-bit
+  Adam's does, ``skipped_steps`` + 1; the flag is read off the
   replicated mean, no extra collective). A local step cannot know
   (no communication): a non-finite value reaches the next sync, which then
   drops the whole interval on every device (parameters kept, accumulators and

@@ -84,19 +84,16 @@ class Result(NamedTuple):
   wire_bytes: jax.Array
 
 
-def exchange(plan: Plan, sent: list, exact: list, server_error, hp: Hyper):
-  """The 1-bit mean of ``sent`` (the compressed leaves, stream order) and ``exact`` (float32 leaves).
+def exchange(plan: Plan, sent: list, exact, server_error, hp: Hyper):
+  """The 1-bit mean of ``sent`` (per group, ``(leaves, *shape)``) and ``exact`` (the float32 leaves, concatenated).
 
   One uint8 ``all_to_all`` and one uint8 ``all_gather`` however many leaves
   (:func:`_collective.onebit_exchange`); each leaf is compressed with its own
   RMS scale. Returns ``(gathered, scales, server_error, finite)``; ``finite``
   is read off the replicated gathered scales, so every device agrees on it.
   """
-  sent = _groups.stacks(plan.layout, sent)  # (stacked here, where the scales and signs read them)
-  scales = (jnp.concatenate([_wire.group_rms(u) for u in sent]) if sent
+  scales = (jnp.concatenate([_wire.group_rms(u.astype(F32)) for u in sent]) if sent
             else jnp.zeros((0,), F32))
-  flat = [jnp.ravel(x).astype(F32) for x in exact]
-  exact = jnp.concatenate(flat) if flat else jnp.zeros((0,), F32)
   rows = _wire.rows(plan.layout, [_wire.group_signs(u) for u in sent], scales, exact)
   gathered, server_error, finite = _collective.onebit_exchange(
       rows, server_error, plan.layout, plan.axes, keep_if_nonfinite=hp.skip_nonfinite)
@@ -140,16 +137,6 @@ def _bytes_onebit(plan: Plan) -> float:
   return 2.0 * (plan.axes.n_slow - 1) * plan.layout.row_bytes
 
 
-def _scaled(hp: Hyper, plan: Plan, directions, params, sched: Schedule, finite):
-  """Adds the decoupled weight decay (none on a skipped step) and, with local steps, ``-lr``."""
-  if params is not None:
-    directions = [d + jnp.where(finite, hp.weight_decay * p.astype(F32), 0.0)
-                  if plan.decays(i) else d for i, (d, p) in enumerate(zip(directions, params))]
-  if hp.local_steps is None:
-    return directions
-  return [-sched.lr * d for d in directions]
-
-
 def leaves_or_none(tree):
   return None if tree is None else jax.tree.leaves(tree)
 
@@ -174,7 +161,7 @@ def _progress(hp: Hyper, plan: Plan, i, m, nu, denominator, bc1, a, param, lr):
   mean biased the mean (the first version did: +9.6% validation loss against
   AdamW on the char GPT of ``benchmarks/convergence.py``, a sync every step;
   CHANGELOG). The bound applies to the sync's move instead
-  (:func:`_sync_move`). :math:`\theta_i = \theta + a_i` is this
+  (:func:`_updates`). :math:`\theta_i = \theta + a_i` is this
   device's copy of the parameters (:func:`local_params` with the state); the
   parameters themselves do not move.
   """
@@ -183,40 +170,6 @@ def _progress(hp: Hyper, plan: Plan, i, m, nu, denominator, bc1, a, param, lr):
   if plan.decays(i):
     d = d + hp.weight_decay * theta
   return a - lr * d
-
-
-def _outgoing(hp: Hyper, plan: Plan, g32, state, sched: Schedule, params, bc1, bc2) -> list:
-  r"""Per leaf, the one full-size value computed before the conditional, from the old state alone.
-
-  A compressed step: the momentum :math:`\beta_1 m + (1-\beta_1) g_i + e_i`
-  (as 1-bit Adam sends it, not the gradient); a sync: :math:`a_i(\sqrt{\hat v}+\epsilon)
-  + e_i` (:math:`a_i` the progress after this step; exact leaves: no
-  :math:`e_i`); a local step without sync: :math:`a_i` itself, the new
-  accumulator. It is the one buffer that the 1-bit message, ``local_sent`` and
-  ``accumulator`` all read: each of those is then one pass over it, and the
-  writers after the conditional read no old ``accumulator``, ``local_mu`` or
-  ``local_sent`` but their own (XLA copies a donated buffer that a fusion not
-  ordered before its writer still reads: 3 D of copies per local step before,
-  ``benchmarks/results/zero_one_compute.md``).
-  """
-  mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-  local_mu, acc = leaves_or_none(state.local_mu), leaves_or_none(state.accumulator)
-  denominators = _preconditioners(hp, plan, nus, state.nu_l1, bc2)
-  is_comp, out = sched.kind == COMPRESSED, []
-  for i, g in enumerate(g32):
-    kind = plan.kind(i)
-    # The momentum and progress since the last sync (none kept: a sync every step).
-    base = mus[i] if local_mu is None else jnp.where(sched.fresh, mus[i], local_mu[i][0])
-    a = _progress(hp, plan, i, _momentum(hp, base, g), nus[i], denominators[i], bc1,
-                  0.0 if acc is None else acc[i][0], None if params is None else params[i], sched.lr)
-    moved, scaled = _momentum(hp, mus[i], g), a * denominators[i]
-    if kind[0] == "c":
-      group, j = plan.layout.group_of[kind[1]]
-      sent, scale = state.local_sent[group][0, j], state.worker_scale[0, kind[1]]
-      moved = moved + feedback(sent, scale)
-      scaled = scaled + feedback(sent, scale, jnp.logical_not(sched.fresh))
-    out.append(jnp.where(is_comp, moved, jnp.where(sched.sync, scaled, a)))
-  return out
 
 
 def _momentum_after_sync(hp: Hyper, plan: Plan, i, avg, denominator, bc1, lr_sum, params):
@@ -235,24 +188,6 @@ def _momentum_after_sync(hp: Hyper, plan: Plan, i, avg, denominator, bc1, lr_sum
   return m
 
 
-def _sync_move(hp: Hyper, plan: Plan, i, avg, denominator, lr_sum, params):
-  r"""The sync's move :math:`\bar a/(\sqrt{\hat v}+\epsilon)`, its step part clipped at :math:`\pm B\sum\eta`.
-
-  The 1-bit mean holds each coordinate at its leaf's scale: divided by a small
-  :math:`\sqrt{\hat v}` the sign noise would move a coordinate far beyond
-  Adam's step bound. As :func:`scale_by_onebit_adam` does after its freeze,
-  the bound applies to what the compression gave (the clip of each device's
-  own step, before it, does not bound the mean's noise); the weight decay's
-  share (:math:`-\lambda\theta\sum\eta`, the synced point's) is kept out of it.
-  """
-  bound = _bounded.adam_update_bound(hp.b1, hp.b2) if hp.max_update is None else hp.max_update
-  bound = jnp.asarray(bound, F32) * lr_sum
-  decay = 0.0
-  if params is not None and plan.decays(i):
-    decay = hp.weight_decay * lr_sum * params[i].astype(F32)
-  return jnp.clip(avg / denominator + decay, -bound, bound) - decay
-
-
 def _finite_mean(hp: Hyper, plan: Plan, total):
   """Whether the mean gradient (the variance step's) is finite everywhere."""
   return (jnp.all(jnp.isfinite(_groups.sums(total)))  # (a NaN or Inf anywhere: a non-finite sum)
@@ -263,18 +198,15 @@ def _collectives(hp: Hyper, plan: Plan, state, sched: Schedule, g32, sent, exact
   """This step's communication alone in a conditional: ``(total, gathered, scales, server_error, finite)``.
 
   ``total`` is the float32 sum of the gradients (a variance step; else zeros;
-  on one device there is nothing to sum: empty, and ``finite`` is decided
-  outside), ``gathered`` the 1-bit messages of ``sent``/``exact`` (a
-  compressed step or a sync; else zeros). The branches take and return only
-  what the communication needs and gives: the full-size state stays outside,
-  where XLA writes each new buffer once, into the donated one (a conditional
-  returning the whole state copied every buffer into its result and the
-  result into the state: ``benchmarks/results/zero_one_compute.md``).
+  on one device there is nothing to sum: empty, the variance branch only
+  checks the gradient), ``gathered`` the 1-bit messages of ``sent`` (the
+  groups of ``local_sent``) and ``exact`` (a compressed step or a sync; else
+  zeros). The full-size state stays outside.
   """
   no_scales = _collective.vary(jnp.zeros((1, len(plan.layout.compressed)), F32),
                                plan.axes.device_axes)
-  g32 = g32 if plan.axes.slow is not None else []
-  no_total = lambda: [jnp.zeros(jnp.shape(g), F32) for g in g32]
+  one_device = plan.axes.slow is None
+  no_total = lambda: [] if one_device else [jnp.zeros(jnp.shape(g), F32) for g in g32]
 
   def onebit(g32, sent, exact, server):
     gathered, scales, server_error, finite = exchange(plan, sent, exact, server, hp)
@@ -284,8 +216,8 @@ def _collectives(hp: Hyper, plan: Plan, state, sched: Schedule, g32, sent, exact
   no_message = jnp.zeros(shape.shape, shape.dtype)
 
   def variance(g32, sent, exact, server):
-    if plan.axes.slow is None:
-      return [], no_message, no_scales, state.server_error, jnp.bool_(True)
+    if one_device:  # the sum is the gradient itself
+      return [], no_message, no_scales, state.server_error, _finite_mean(hp, plan, g32)
     total = jax.lax.psum(g32, plan.axes.slow)  # one tuple all-reduce (XLA's combiner)
     return total, no_message, no_scales, state.server_error, _finite_mean(hp, plan, total)
 
@@ -293,12 +225,15 @@ def _collectives(hp: Hyper, plan: Plan, state, sched: Schedule, g32, sent, exact
     return no_total(), no_message, no_scales, state.server_error, jnp.bool_(True)
 
   # One branch per kind of communication, so the 1-bit exchange (a compressed step or a
-  # sync) is traced once: a copy per kind of step doubled its per-leaf code in the program.
-  # (Without local steps every step after the freeze is a sync: no silent branch.)
-  sends_onebit = (sched.kind == COMPRESSED) | ((sched.kind == LOCAL) & sched.sync)
-  branch = jnp.where(sched.kind == VARIANCE, 0, jnp.where(sends_onebit, 1, 2))
+  # sync) is traced once. (Without local steps every step after the freeze is a sync.)
+  branch = jnp.where(sched.kind == VARIANCE, 0, jnp.where(_sends_onebit(sched), 1, 2))
   branches = [variance, onebit] + ([] if hp.local_steps is None else [silent])
   return jax.lax.switch(branch, branches, g32, sent, exact, server)
+
+
+def _sends_onebit(sched: Schedule) -> jax.Array:
+  """A compressed step or a sync: the steps that send the 1-bit exchange."""
+  return (sched.kind == COMPRESSED) | _is_sync(sched)
 
 
 def variance_decay(hp: Hyper, state, count) -> jax.Array:
@@ -313,74 +248,205 @@ def v_correction(hp: Hyper, variance_updates, variance_step) -> jax.Array:
   return _bounded.bias_correction(hp.b2, variance_step if hp.per_step_ema else variance_updates)
 
 
-def _new_nu(hp: Hyper, nus, mean, is_var, finite, decay) -> list:
-  """``v`` after a variance step with the float32 mean gradient ``mean`` (else unchanged)."""
-  return [jnp.where(is_var & finite, decay * v + (1.0 - decay) * jnp.square(g), v)
-          for v, g in zip(nus, mean)]
+class _Old(NamedTuple):
+  """The state's full-size leaves (tree order) that the step reads."""
+
+  mu: list
+  nu: list
+  local_mu: Optional[list]  # (1, *shape) per leaf, or None without local steps
+  accumulator: Optional[list]
+  params: Optional[list]
 
 
-def _new_mu(hp: Hyper, plan: Plan, state, sched: Schedule, avg, nu, finite, bc1, bc2, params):
-  """``m`` after a variance step (Adam's), a compressed step (the mean), a sync (restarted), a local step (kept)."""
-  denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2)
+def _outgoing_leaf(hp: Hyper, plan: Plan, sched: Schedule, old: _Old, i, g, denominators, bc1):
+  r"""What a sync sends of leaf ``i`` before its error feedback: :math:`a_i(\sqrt{\hat v}+\epsilon)`.
+
+  :math:`a_i` is this device's progress after this step (:func:`_progress`),
+  from its own momentum (the synced ``m`` at the first local-phase step).
+  """
+  mu = old.mu[i]
+  base = mu if old.local_mu is None else jnp.where(sched.fresh, mu, old.local_mu[i][0])
+  acc = 0.0 if old.accumulator is None else old.accumulator[i][0]
+  param = None if old.params is None else old.params[i]
+  a = _progress(hp, plan, i, _momentum(hp, base, g), old.nu[i], denominators[i], bc1, acc, param,
+                sched.lr)
+  return a * denominators[i]
+
+
+def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, bc1, bc2):
+  """Stage 1 of a compressed step or a sync: what each device sends, written over ``local_sent``.
+
+  A compressed step sends its momentum :math:`\\beta_1 m + (1-\\beta_1) g_i + e_i`,
+  a sync its scaled progress (:func:`_outgoing_leaf`) :math:`+ e_i` (no
+  :math:`e_i` at the first sync after the freeze). Returns ``(local_sent, exact)``:
+  the groups (other steps pass them through) and the exact leaves' float32
+  values (zeros on other steps). The false branch of each ``lax.cond`` passes
+  the buffers through, the form XLA writes in place (as 1-bit Adam's switch).
+  """
+  layout = plan.layout
+  vary = lambda x: _collective.vary(x, plan.axes.device_axes)
+
+  def values(compressed: bool):
+    def branch(local, g32):
+      denominators = (None if compressed else
+                      _preconditioners(hp, plan, old.nu, state.nu_l1, bc2))
+      value = ((lambda i: _momentum(hp, old.mu[i], g32[i])) if compressed else
+               (lambda i: _outgoing_leaf(hp, plan, sched, old, i, g32[i], denominators, bc1)))
+      valid = True if compressed else jnp.logical_not(sched.fresh)
+      groups = []
+      for g, (span, u) in enumerate(zip(layout.groups, local)):
+        fresh = jnp.stack([value(layout.compressed[k]) for k in span])[None]
+        scale = _group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
+        groups.append((fresh + feedback(u, scale, valid)).astype(u.dtype))
+      return tuple(groups), vary(_exact_vector([value(i) for i in layout.exact]))
+    return branch
+
+  def keep(local, g32):
+    return local, vary(jnp.zeros((layout.exact_size,), F32))
+
+  is_compressed = sched.kind == COMPRESSED
+  local, exact = jax.lax.cond(is_compressed, values(True), keep, state.local_sent, g32)
+  local, synced = jax.lax.cond(_is_sync(sched), values(False), keep, local, g32)
+  return local, jnp.where(is_compressed, exact, synced)
+
+
+def _is_sync(sched: Schedule) -> jax.Array:
+  return (sched.kind == LOCAL) & sched.sync
+
+
+def _group_scale(scales, span, shape):
+  """The scales of a group's leaves, ``(leaves, 1, ...)``: broadcastable against the group."""
+  return scales[span.start:span.stop].reshape((len(span),) + (1,) * len(shape))
+
+
+def _exact_vector(values: list) -> jax.Array:
+  flat = [jnp.ravel(x).astype(F32) for x in values]
+  return jnp.concatenate(flat) if flat else jnp.zeros((0,), F32)
+
+
+def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, total, finite, old: _Old):
+  """A variance step's ``m``, ``v`` (Adam's, of the float32 mean) and ``nu_l1``; other steps pass them through."""
+  scale = 1.0 / plan.axes.n_slow
+
+  def update(mu, nu):
+    decay = variance_decay(hp, state, sched.count)
+    mu = [jnp.where(finite, hp.b1 * m + (1.0 - hp.b1) * (t * scale), m) for m, t in zip(mu, total)]
+    nu = [jnp.where(finite, decay * v + (1.0 - decay) * jnp.square(t * scale), v)
+          for v, t in zip(nu, total)]
+    # (summed from the new buffers, not from a second pass over the old ones)
+    return mu, nu, jnp.where(finite, _groups.sums(nu), state.nu_l1)
+
+  return jax.lax.cond(sched.kind == VARIANCE, update, lambda mu, nu: (mu, nu, state.nu_l1),
+                      old.mu, old.nu)
+
+
+def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, finite,
+               old: _Old, bc1, bc2):
+  """``m`` after a compressed step (the 1-bit mean) or a sync (restarted); other steps pass it through."""
   lr_sum = state.lr_sum + sched.lr
-  out = []
-  for i, (m, a) in enumerate(zip(jax.tree.leaves(state.mu), avg)):
-    if plan.kind(i)[0] == "z":
-      out.append(m)
-      continue
-    moved = jnp.where(finite, jnp.where(sched.kind == VARIANCE, hp.b1 * m + (1.0 - hp.b1) * a, a), m)
-    synced = jnp.where(finite & (lr_sum > 0), _momentum_after_sync(
-        hp, plan, i, a, denominators[i], bc1, lr_sum, params), m)
-    local = synced if hp.local_steps is None else jnp.where(sched.sync, synced, m)
-    out.append(jnp.where(sched.kind == LOCAL, local, moved))
-  return out
+
+  def compressed(mu):
+    means = _groups.mean_leaves(plan.layout, gathered)
+    return [m if plan.kind(i)[0] == "z" else means[i] for i, m in enumerate(mu)]
+
+  def synced(mu):
+    means = _groups.mean_leaves(plan.layout, gathered)
+    denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2)
+    return [m if plan.kind(i)[0] == "z" else jnp.where(lr_sum > 0, _momentum_after_sync(
+        hp, plan, i, means[i], denominators[i], bc1, lr_sum, old.params), m)
+            for i, m in enumerate(mu)]
+
+  keep = lambda mu: mu
+  mu = jax.lax.cond((sched.kind == COMPRESSED) & finite, compressed, keep, mu)
+  return jax.lax.cond(_is_sync(sched) & finite, synced, keep, mu)
 
 
-def _sync_updates(hp: Hyper, plan: Plan, state, sched: Schedule, avg, nu, finite, bc2, params):
-  """The update of a local-phase step: the sync's move (negated without local steps), else 0."""
-  denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2)
-  lr_sum = state.lr_sum + sched.lr
-  out = []
-  for i, (v, a) in enumerate(zip(nu, avg)):
-    move = _zeros_like(v) if plan.kind(i)[0] == "z" else jnp.where(
-        finite & (v > 0), _sync_move(hp, plan, i, a, denominators[i], lr_sum, params), 0.0)
-    out.append(-move if hp.local_steps is None else jnp.where(sched.sync, move, 0.0))
-  return out
-
-
-def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, mu, nu, avg, nu_l1, finite, bc1, bc2,
+def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, mu, nu, nu_l1, finite, bc1, bc2,
              params) -> list:
-  """Adam's (bounded) step from the new ``m`` and ``v``, or a local-phase step's update."""
+  r"""Every kind's update, one expression from the new ``m`` and ``v`` with per-kind scalars.
+
+  A variance or compressed step: Adam's (bounded) direction :math:`d` plus the
+  weight decay :math:`\lambda\theta`. A sync: the same expression of the
+  restarted :math:`m` (:func:`_momentum_after_sync` is built so that
+  :math:`\hat m/\delta = -\bar a/(\delta\sum\eta) - \lambda\theta`: the clip of
+  :math:`\hat m/\delta` is the sync's clipped move, in
+  direction units), where a coordinate whose :math:`v` is 0 does not move, its
+  decay included. With local steps it is scaled by :math:`-\eta` (variance and
+  compressed steps), :math:`-\sum\eta` (a sync) or 0 (a local step).
+  """
   is_var = sched.kind == VARIANCE
   bc2_here = jnp.where(is_var, v_correction(hp, state.variance_updates + 1, sched.count), bc2)
   bounded = jnp.where(is_var, state.variance_updates < state.count, True)
   floor = floors(hp, plan, nu_l1, bc2_here)
-  dirs = [_zeros_like(m) if plan.kind(i)[0] == "z" else
-          direction(hp, m, v, bc1, bc2_here, floor[i], bounded, finite)
-          for i, (m, v) in enumerate(zip(mu, nu))]
-  moved = _scaled(hp, plan, dirs, params, sched, finite)
-  synced = _sync_updates(hp, plan, state, sched, avg, nu, finite, bc2, params)
-  return [jnp.where(sched.kind == LOCAL, s, u) for s, u in zip(synced, moved)]
+  decay_at_zero = sched.kind != LOCAL
+  if hp.local_steps is None:
+    factor = None
+  else:
+    lr_sum = state.lr_sum + sched.lr
+    factor = jnp.where(sched.kind == LOCAL, jnp.where(sched.sync, -lr_sum, 0.0), -sched.lr)
+  out = []
+  for i, (m, v) in enumerate(zip(mu, nu)):
+    if plan.kind(i)[0] == "z":
+      out.append(_zeros_like(m))
+      continue
+    d = direction(hp, m, v, bc1, bc2_here, floor[i], bounded, finite)
+    if params is not None and plan.decays(i):
+      d = d + jnp.where(finite & (decay_at_zero | (v > 0)), hp.weight_decay * params[i].astype(F32), 0.0)
+    out.append(d if factor is None else factor * d)
+  return out
 
 
-def _per_device(hp: Hyper, plan: Plan, state, sched: Schedule, g32, mu, outgoing):
-  """``local_mu`` and ``accumulator`` after a local step (``outgoing`` is the progress) or a sync."""
+def _local_step(hp: Hyper, plan: Plan, state, sched: Schedule, g32, old: _Old, bc1, bc2):
+  """A local step's ``local_mu`` and ``accumulator``: this device's own momentum and progress.
+
+  Taken first, before anything writes ``m``, ``v`` or the parameters that it
+  reads (a local step changes nothing else); other steps pass the buffers through.
+  """
+  if hp.local_steps is None:
+    return None, None
+
+  def local(local_mu, acc):
+    denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2)
+    new_mu, new_acc = [], []
+    for i, (g, lm, a) in enumerate(zip(g32, local_mu, acc)):
+      # (in the buffers' own shape, (1, *shape): a fusion writing through a reshape is not in place)
+      own = _momentum(hp, lm, g[None])  # (never fresh: the first local-phase step is a sync)
+      param = None if old.params is None else old.params[i][None]
+      new_acc.append(_progress(hp, plan, i, own, old.nu[i][None], denominators[i][None], bc1, a,
+                               param, sched.lr))
+      new_mu.append(own)
+    return new_mu, new_acc
+
+  return jax.lax.cond((sched.kind == LOCAL) & jnp.logical_not(sched.sync), local,
+                      lambda lm, acc: (lm, acc), old.local_mu, old.accumulator)
+
+
+def _restarted(hp: Hyper, plan: Plan, sched: Schedule, mu, local_mu, acc):
+  """After a sync every device restarts from the synced ``m`` with no progress; other steps pass them through."""
   if hp.local_steps is None:
     return None, None
   vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
-  is_local, local_mu, acc = sched.kind == LOCAL, [], []
-  for i, (g, m, a) in enumerate(zip(g32, mu, outgoing)):
-    old_mu, old_acc = jax.tree.leaves(state.local_mu)[i], jax.tree.leaves(state.accumulator)[i]
-    # The first local step starts from the synced m, which a local step keeps: mu is its value.
-    # (In the buffer's own shape: a fusion reading it through a reshape cannot write it in place.)
-    own = _momentum(hp, jnp.where(sched.fresh, m[None], old_mu), g[None])
-    local_mu.append(jnp.where(is_local, jnp.where(sched.sync, vary(m), own), old_mu))
-    acc.append(jnp.where(is_local, jnp.where(sched.sync, vary(jnp.zeros_like(a)), a[None]), old_acc))
-  return local_mu, acc
+  return jax.lax.cond(_is_sync(sched), lambda lm, acc: ([vary(m) for m in mu], [jnp.zeros_like(a) for a in acc]),
+                      lambda lm, acc: (lm, acc), local_mu, acc)
+
+
+def _dropped(sched: Schedule, finite, local_sent, scales, old_scales):
+  """After the exchange: a skipped 1-bit step drops the error feedback (``local_sent`` and its scales zero).
+
+  What was sent is written before the step knows it is finite (the exchange
+  reads it from ``local_sent``), so a skipped step cannot keep the old value:
+  zero sent with zero scale is zero feedback, as 1-bit Adam's
+  ``feedback_valid`` False.
+  """
+  drop = _sends_onebit(sched) & jnp.logical_not(finite)
+  local_sent = jax.lax.cond(drop, lambda ls: tuple(jnp.zeros_like(u) for u in ls), lambda ls: ls,
+                            local_sent)
+  scales = jnp.where(_sends_onebit(sched), jnp.where(finite, scales, 0.0), old_scales)
+  return local_sent, scales.astype(old_scales.dtype)
 
 
 def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result:
-  r"""One step of the kind ``sched.kind``: its collectives in a conditional, the full-size math outside.
+  r"""One step of the kind ``sched.kind``: each kind's full-size work in its own conditionals.
 
   **Variance step**: the float32 mean gradient :math:`\bar g` (one
   all-reduce), Adam's ``m`` and ``v``, Adam's step (floored and clipped once
@@ -397,51 +463,36 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   momentum or accumulator kept between steps. A non-finite mean drops the
   interval on every device.
 
-  Only the collectives are branched (:func:`_collectives`); every step
-  evaluates the elementwise formulas of all kinds and selects its kind's values
-  with ``jnp.where`` on replicated scalars, which measured cheaper than a
-  conditional over the full-size state (``benchmarks/zero_one_compute.py``).
-  The data flow is laid out so that XLA writes every donated buffer in place,
-  with no copy: one buffer computed from the old state before the conditional
-  (:func:`_outgoing`), then ``v``, then ``m``, then what reads them; every
-  later reader takes ``v``'s and ``m``'s successors (the same values where they
-  are read), never the old buffers that their writers overwrite. The values
-  are those of the earlier per-kind branches up to the rounding of fused
-  multiply-adds, which XLA:CPU contracts differently in other fusions.
+  The step is a chain of stages, each a ``lax.cond`` on replicated scalars
+  whose false branch passes its full-size buffers through (the form XLA
+  writes in place into the donated buffers; 1-bit Adam's switch): what is sent
+  (:func:`_write_sent`), the collectives (:func:`_collectives`), the variance
+  step's moments, the 1-bit step's ``m``, the per-device buffers of local
+  steps. So a step computes only its own kind's formulas. The update is one
+  expression of the new moments for every kind (:func:`_updates`).
   """
-  is_var = sched.kind == VARIANCE
   g32 = [g.astype(F32) for g in grads]
   bc1 = _bounded.bias_correction(hp.b1, sched.count)
   bc2 = v_correction(hp, state.variance_updates, state.variance_step)  # v held: not a variance step
-  outgoing = _outgoing(hp, plan, g32, state, sched, params, bc1, bc2)
-  # What each device sends: the compressed leaves, passed to the conditional leaf by leaf
-  # (the buffers outgoing computed) and stacked into their groups where they are read.
-  sent = [outgoing[i] for i in plan.layout.compressed]
+  old = _Old(jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), leaves_or_none(state.local_mu),
+             leaves_or_none(state.accumulator), params)
+  local_mu, accumulator = _local_step(hp, plan, state, sched, g32, old, bc1, bc2)
+  old = old._replace(local_mu=local_mu, accumulator=accumulator)  # (the same values: read after)
+  local_sent, exact = _write_sent(hp, plan, g32, state, sched, old, bc1, bc2)
   server = (None if state.server_error is None  # (fresh: a local-phase step)
             else jnp.where(sched.fresh, 0.0, state.server_error).astype(state.server_error.dtype))
   total, gathered, scales, server_error, finite = _collectives(
-      hp, plan, state, sched, g32, sent, [outgoing[i] for i in plan.layout.exact], server)
+      hp, plan, state, sched, g32, [u[0] for u in local_sent], exact, server)
   if plan.axes.slow is None:  # one device: the sum is the gradient (no operand of the conditional)
     total = g32
-    finite = jnp.where(is_var, _finite_mean(hp, plan, g32), finite)
-  # The mean: float32 (variance step) or decoded from the 1-bit messages (fused into its consumers).
-  mean = [t * (1.0 / plan.axes.n_slow) for t in total]
-  onebit_mean = _groups.mean_leaves(plan.layout, gathered)
-  avg = [jnp.where(is_var, t, c) for t, c in zip(mean, onebit_mean)]
-  nu = _new_nu(hp, jax.tree.leaves(state.nu), mean, is_var, finite,
-               variance_decay(hp, state, sched.count))
-  # (summed from the new buffer, not from a second pass over the old one)
-  nu_l1 = jnp.where(is_var & finite, _groups.sums(nu), state.nu_l1)
-  mu = _new_mu(hp, plan, state, sched, avg, nu, finite, bc1, bc2, params)
-  updates = _updates(hp, plan, state, sched, mu, nu, avg, nu_l1, finite, bc1, bc2, params)
-  # A skipped step keeps what was sent before (its feedback stays valid), unless
-  # that was the gradients' (a dropped first sync after the freeze).
-  active = (sched.kind == COMPRESSED) | ((sched.kind == LOCAL) & sched.sync)
-  keep = lambda new, old: jnp.where(active, jnp.where(finite, new, jnp.where(
-      sched.fresh, 0.0, old)), old).astype(old.dtype)
-  local_sent = tuple(keep(u[None], old) for u, old in zip(_groups.stacks(plan.layout, sent), state.local_sent))
+  mu, nu, nu_l1 = _variance_moments(hp, plan, state, sched, total, finite, old)
+  # (every later reader takes v's successor, never the old buffer that its writer overwrites)
+  mu = _onebit_mu(hp, plan, state, sched, gathered, mu, nu, finite, old, bc1, bc2)
+  updates = _updates(hp, plan, state, sched, mu, nu, nu_l1, finite, bc1, bc2, params)
+  local_sent, worker_scale = _dropped(sched, finite, local_sent, scales, state.worker_scale)
+  is_var = sched.kind == VARIANCE
   wire = jnp.where(is_var, _bytes_allreduce(plan),
-                   jnp.where(active, _bytes_onebit(plan), 0.0)).astype(F32)
-  local_mu, accumulator = _per_device(hp, plan, state, sched, g32, mu, outgoing)
-  return Result(updates, mu, nu, nu_l1, local_sent, keep(scales, state.worker_scale), server_error,
+                   jnp.where(_sends_onebit(sched), _bytes_onebit(plan), 0.0)).astype(F32)
+  local_mu, accumulator = _restarted(hp, plan, sched, mu, local_mu, accumulator)
+  return Result(updates, mu, nu, nu_l1, local_sent, worker_scale, server_error,
                 local_mu, accumulator, finite, wire)
