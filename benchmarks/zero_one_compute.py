@@ -1,12 +1,14 @@
-"""Compute cost of a 0/1 Adam train step, per kind of step, versus Adam and 1-bit Adam (one device).
+"""Compute cost of a 0/1 Adam train step, per kind of step, versus Adam and 1-bit Adam.
 
     .venv/bin/python benchmarks/zero_one_compute.py                    # 2.56M parameters
+    .venv/bin/python benchmarks/zero_one_compute.py --setting mesh     # per device, 2 devices
     .venv/bin/python benchmarks/zero_one_compute.py --size 4e6 --repeats 15
     .venv/bin/python benchmarks/zero_one_compute.py --before OLD.json  # adds a before/after table
 
 What is timed: the jitted train step ``params, state = step(params, state, grads)``
 (``tx.update`` + ``optax.apply_updates``, ``donate_argnums=(0, 1)``), one device,
-``axis_name=None``. Contestants: ``optax.adam``; ``onebit_adam`` in warmup and
+``axis_name=None`` (``--setting mesh``: per device in a 2-device ``jax.shard_map``
+on local gradients, the state from ``init_sharded``; Adam on their ``pmean``). Contestants: ``optax.adam``; ``onebit_adam`` in warmup and
 in compression; ``zero_one_adam`` at a state whose next step is a variance,
 compressed, local (``local_steps=8``) or sync step (``local_steps=None``:
 every step after the freeze is a sync), found by running the real schedule
@@ -44,6 +46,8 @@ def _parse_args(argv):
   p.add_argument("--size", type=float, default=2.56e6, help="parameter count (default 2.56e6)")
   p.add_argument("--repeats", type=int, default=9, help="timed steps per contestant")
   p.add_argument("--threads", choices=("1", "all"), default="1")
+  p.add_argument("--setting", choices=("single", "mesh"), default="single",
+                 help="one device (axis_name=None) or per device in a 2-device shard_map mesh")
   p.add_argument("--json", default=None, help="also write the raw numbers here")
   p.add_argument("--before", default=None, help="a --json file of an earlier run: before/after table")
   p.add_argument("--out", default=str(RESULTS / "zero_one_compute.md"))
@@ -51,6 +55,10 @@ def _parse_args(argv):
 
 
 ARGS = _parse_args(sys.argv[1:]) if __name__ == "__main__" else None
+MESH_DEVICES = 2
+if ARGS is not None and ARGS.setting == "mesh":
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={MESH_DEVICES}")
 if ARGS is None or ARGS.threads == "1":
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
                              " intra_op_parallelism_threads=1").strip()
@@ -61,6 +69,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import onebit_optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import _provenance  # noqa: E402
 
@@ -81,12 +90,35 @@ def make_tree(size: int, seed: int = 0):
   return {f"w{i}": jax.random.normal(k, s, jnp.float32) for i, (k, s) in enumerate(zip(keys, shapes))}
 
 
-def _step(tx):
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, state, grads):
+AXIS = "data"
+
+
+def _step(tx, mesh=None, state=None, onebit=False):
+  """The donated train step; in a mesh, a shard_map of local gradients (Adam: their pmean)."""
+  def body(params, state, grads):
+    if mesh is not None:
+      grads = onebit_optax.local_params(grads, AXIS)  # per-device gradients, as jax.grad gives
+      if not onebit:
+        grads = jax.lax.pmean(grads, AXIS)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
-  return step
+  if mesh is not None:
+    specs = (onebit_optax.state_partition_specs(state, AXIS) if onebit
+             else jax.tree.map(lambda _: P(), state))
+    body = jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P()), out_specs=(P(), specs))
+  return jax.jit(body, donate_argnums=(0, 1))
+
+
+def _init(tx, params, mesh, onebit):
+  if mesh is None:
+    return tx.init(params)
+  if onebit:
+    return onebit_optax.init_sharded(tx, params, mesh, AXIS)
+  return jax.device_put(tx.init(params), NamedSharding(mesh, P()))
+
+
+def place(tree, mesh):
+  return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 def _copy(tree):
@@ -107,21 +139,25 @@ def _at_phase(step, params, state, grads, want: str, limit: int = 200):
   raise RuntimeError(f"no {want} step within {limit} steps")
 
 
-def contestants(size: int, grads):
+def contestants(size: int, grads, mesh=None):
   """name -> (step, params, state, fresh): fresh means every call starts from a copy of the state."""
-  out = {}
+  out, axis = {}, None if mesh is None else AXIS
+  zo = dict(ZO, axis_name=axis)
   for name, tx in (("adam", optax.adam(LR)),
-                   ("1-bit warmup", onebit_optax.onebit_adam(LR, axis_name=None, freeze=10**9)),
-                   ("1-bit compression", onebit_optax.onebit_adam(LR, axis_name=None, freeze=1))):
-    step, params = _step(tx), make_tree(size)
-    state = tx.init(params)
+                   ("1-bit warmup", onebit_optax.onebit_adam(LR, axis_name=axis, freeze=10**9)),
+                   ("1-bit compression", onebit_optax.onebit_adam(LR, axis_name=axis, freeze=1))):
+    params = place(make_tree(size), mesh)
+    state = _init(tx, params, mesh, name != "adam")
+    step = _step(tx, mesh, state, name != "adam")
     for _ in range(3):
       params, state = step(params, state, grads)
     out[name] = (step, params, state, False)
   for phase, local in (("variance", None), ("compressed", None), ("local", 8), ("sync", None)):
-    tx = onebit_optax.zero_one_adam(LR, local_steps=local, **ZO)
-    step, params = _step(tx), make_tree(size)
-    params, state = _at_phase(step, params, tx.init(params), grads, phase)
+    tx = onebit_optax.zero_one_adam(LR, local_steps=local, **zo)
+    params = place(make_tree(size), mesh)
+    state = _init(tx, params, mesh, True)
+    step = _step(tx, mesh, state, True)
+    params, state = _at_phase(step, params, state, grads, phase)
     out[f"0/1 {phase}"] = (step, params, state, True)
   return out
 
@@ -171,8 +207,9 @@ def hlo_facts(step, params, state, grads) -> dict:
 def main(args) -> int:
   size = int(args.size)
   load_start = os.getloadavg()
-  grads = make_tree(size, 1)
-  cands = contestants(size, grads)
+  mesh = jax.make_mesh((MESH_DEVICES,), (AXIS,)) if args.setting == "mesh" else None
+  grads = place(make_tree(size, 1), mesh)
+  cands = contestants(size, grads, mesh)
   d4 = 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(grads))
   facts = {name: hlo_facts(c[0], c[1], c[2], grads) for name, c in cands.items()}
   times = time_all(cands, grads, args.repeats)
@@ -180,6 +217,7 @@ def main(args) -> int:
   data = {"command": " ".join(["python", "benchmarks/zero_one_compute.py"] + [shlex.quote(a) for a in sys.argv[1:]]),
           "commit": _provenance.git_commit(), "jax": jax.__version__, "size": size,
           "repeats": args.repeats, "threads": args.threads, "cpus": os.cpu_count(),
+          "setting": args.setting,
           "load_start": [round(x, 2) for x in load_start],
           "load_end": [round(x, 2) for x in os.getloadavg()],
           "median_s": med, "all_s": times, "facts": facts, "d4": d4}
@@ -212,7 +250,9 @@ def _header(data) -> str:
 
 
 def render(data, before=None) -> list:
-  lines = ["#### 0/1 Adam compute per kind of step vs Adam (one device, axis_name=None)", "",
+  where = ("one device, axis_name=None" if data.get("setting", "single") == "single" else
+           f"per device in a {MESH_DEVICES}-device shard_map mesh; Adam on the pmean of the local gradients")
+  lines = [f"#### 0/1 Adam compute per kind of step vs Adam ({where})", "",
            "Timed: the jitted train step (`tx.update` + `optax.apply_updates`, params and state "
            "donated), median of interleaved repeats; each 0/1 Adam call starts from a copy of a "
            "state reached by the real schedule whose next step is of that kind "

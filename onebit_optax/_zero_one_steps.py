@@ -194,41 +194,26 @@ def _finite_mean(hp: Hyper, plan: Plan, total):
           if hp.skip_nonfinite else jnp.bool_(True))
 
 
-def _collectives(hp: Hyper, plan: Plan, state, sched: Schedule, g32, sent, exact, server):
-  """This step's communication alone in a conditional: ``(total, gathered, scales, server_error, finite)``.
+def _onebit_exchange(hp: Hyper, plan: Plan, sched: Schedule, sent, exact, server):
+  """A compressed step's or a sync's 1-bit exchange in a conditional: ``(gathered, scales, server_error, finite)``.
 
-  ``total`` is the float32 sum of the gradients (a variance step; else zeros;
-  on one device there is nothing to sum: empty, the variance branch only
-  checks the gradient), ``gathered`` the 1-bit messages of ``sent`` (the
-  groups of ``local_sent``) and ``exact`` (a compressed step or a sync; else
-  zeros). The full-size state stays outside.
+  ``sent`` are the groups of ``local_sent``, ``exact`` the exact leaves'
+  floats. Other steps send nothing: zeros, the server error passed through
+  (the false branch, as every full-size buffer of the step). The first sync
+  after the freeze restarts the server error (it held the compressed steps').
   """
   no_scales = _collective.vary(jnp.zeros((1, len(plan.layout.compressed)), F32),
                                plan.axes.device_axes)
-  one_device = plan.axes.slow is None
-  no_total = lambda: [] if one_device else [jnp.zeros(jnp.shape(g), F32) for g in g32]
 
-  def onebit(g32, sent, exact, server):
-    gathered, scales, server_error, finite = exchange(plan, sent, exact, server, hp)
-    return no_total(), gathered, scales, server_error, finite
+  def onebit(sent, exact, server):
+    if server is not None:
+      server = jnp.where(sched.fresh, 0.0, server).astype(server.dtype)
+    return exchange(plan, sent, exact, server, hp)
 
-  shape = jax.eval_shape(onebit, g32, sent, exact, server)[1]
+  shape = jax.eval_shape(onebit, sent, exact, server)[0]
   no_message = jnp.zeros(shape.shape, shape.dtype)
-
-  def variance(g32, sent, exact, server):
-    if one_device:  # the sum is the gradient itself
-      return [], no_message, no_scales, state.server_error, _finite_mean(hp, plan, g32)
-    total = jax.lax.psum(g32, plan.axes.slow)  # one tuple all-reduce (XLA's combiner)
-    return total, no_message, no_scales, state.server_error, _finite_mean(hp, plan, total)
-
-  def silent(g32, sent, exact, server):
-    return no_total(), no_message, no_scales, state.server_error, jnp.bool_(True)
-
-  # One branch per kind of communication, so the 1-bit exchange (a compressed step or a
-  # sync) is traced once. (Without local steps every step after the freeze is a sync.)
-  branch = jnp.where(sched.kind == VARIANCE, 0, jnp.where(_sends_onebit(sched), 1, 2))
-  branches = [variance, onebit] + ([] if hp.local_steps is None else [silent])
-  return jax.lax.switch(branch, branches, g32, sent, exact, server)
+  silent = lambda sent, exact, server: (no_message, no_scales, server, jnp.bool_(True))
+  return jax.lax.cond(_sends_onebit(sched), onebit, silent, sent, exact, server)
 
 
 def _sends_onebit(sched: Schedule) -> jax.Array:
@@ -324,20 +309,30 @@ def _exact_vector(values: list) -> jax.Array:
   return jnp.concatenate(flat) if flat else jnp.zeros((0,), F32)
 
 
-def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, total, finite, old: _Old):
-  """A variance step's ``m``, ``v`` (Adam's, of the float32 mean) and ``nu_l1``; other steps pass them through."""
+def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, g32, finite, old: _Old):
+  """A variance step's float32 mean gradient and Adam's ``m``, ``v`` (and ``nu_l1``) of it; else passed through.
+
+  The all-reduce runs inside the branch, where its result is consumed (one
+  tuple all-reduce of the leaves; the ``1/n`` fused into the moments). A
+  non-finite mean keeps the moments. ``finite`` is the 1-bit exchange's (True
+  where none ran), an operand so that this conditional, which overwrites
+  ``m`` and ``v``, is ordered after :func:`_write_sent`, which reads them.
+  Returns ``(mu, nu, nu_l1, finite)``, ``finite`` now both flags.
+  """
   scale = 1.0 / plan.axes.n_slow
 
-  def update(mu, nu):
+  def update(mu, nu, finite):
+    total = g32 if plan.axes.slow is None else jax.lax.psum(g32, plan.axes.slow)
+    finite = finite & _finite_mean(hp, plan, total)
     decay = variance_decay(hp, state, sched.count)
     mu = [jnp.where(finite, hp.b1 * m + (1.0 - hp.b1) * (t * scale), m) for m, t in zip(mu, total)]
     nu = [jnp.where(finite, decay * v + (1.0 - decay) * jnp.square(t * scale), v)
           for v, t in zip(nu, total)]
     # (summed from the new buffers, not from a second pass over the old ones)
-    return mu, nu, jnp.where(finite, _groups.sums(nu), state.nu_l1)
+    return mu, nu, jnp.where(finite, _groups.sums(nu), state.nu_l1), finite
 
-  return jax.lax.cond(sched.kind == VARIANCE, update, lambda mu, nu: (mu, nu, state.nu_l1),
-                      old.mu, old.nu)
+  keep = lambda mu, nu, finite: (mu, nu, state.nu_l1, finite)
+  return jax.lax.cond(sched.kind == VARIANCE, update, keep, old.mu, old.nu, finite)
 
 
 def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, finite,
@@ -466,7 +461,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   The step is a chain of stages, each a ``lax.cond`` on replicated scalars
   whose false branch passes its full-size buffers through (the form XLA
   writes in place into the donated buffers; 1-bit Adam's switch): what is sent
-  (:func:`_write_sent`), the collectives (:func:`_collectives`), the variance
+  (:func:`_write_sent`), the 1-bit exchange (:func:`_onebit_exchange`), the variance
   step's moments, the 1-bit step's ``m``, the per-device buffers of local
   steps. So a step computes only its own kind's formulas. The update is one
   expression of the new moments for every kind (:func:`_updates`).
@@ -479,13 +474,9 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   local_mu, accumulator = _local_step(hp, plan, state, sched, g32, old, bc1, bc2)
   old = old._replace(local_mu=local_mu, accumulator=accumulator)  # (the same values: read after)
   local_sent, exact = _write_sent(hp, plan, g32, state, sched, old, bc1, bc2)
-  server = (None if state.server_error is None  # (fresh: a local-phase step)
-            else jnp.where(sched.fresh, 0.0, state.server_error).astype(state.server_error.dtype))
-  total, gathered, scales, server_error, finite = _collectives(
-      hp, plan, state, sched, g32, [u[0] for u in local_sent], exact, server)
-  if plan.axes.slow is None:  # one device: the sum is the gradient (no operand of the conditional)
-    total = g32
-  mu, nu, nu_l1 = _variance_moments(hp, plan, state, sched, total, finite, old)
+  gathered, scales, server_error, finite = _onebit_exchange(
+      hp, plan, sched, [u[0] for u in local_sent], exact, state.server_error)
+  mu, nu, nu_l1, finite = _variance_moments(hp, plan, state, sched, g32, finite, old)
   # (every later reader takes v's successor, never the old buffer that its writer overwrites)
   mu = _onebit_mu(hp, plan, state, sched, gathered, mu, nu, finite, old, bc1, bc2)
   updates = _updates(hp, plan, state, sched, mu, nu, nu_l1, finite, bc1, bc2, params)

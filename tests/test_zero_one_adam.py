@@ -529,8 +529,9 @@ def test_hlo_collectives_per_kind_of_step(H):
     for b in onebit:
       assert {k for k, _, _ in b} == {"all-to-all", "all-gather"} and len(b) == 2, b
       assert all(dtype == "u8" and size == N * row_bytes for _, dtype, size in b), (b, row_bytes)
-    # The local step without a sync: the silent branch (only with local steps).
-    assert branches.count([]) == (0 if H is None else 1), conds
+    # The all-reduce and the exchange each in a conditional whose other branch sends
+    # nothing: a local step without a sync takes both of those and sends nothing.
+    assert len(conds) == 2 and all(len(b) == 2 and [] in b for b in conds.values()), conds
     found[layers] = sorted(str([(k, dtype) for k, dtype, _ in b]) for b in branches)
   assert len(set(map(tuple, found.values()))) == 1, found
 
