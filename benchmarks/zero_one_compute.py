@@ -1,14 +1,14 @@
 """Compute cost of a 0/1 Adam train step, per kind of step, versus Adam and 1-bit Adam.
 
-    .venv/bin/python benchmarks/zero_one_compute.py                    # 2.56M parameters
-    .venv/bin/python benchmarks/zero_one_compute.py --setting mesh     # per device, 2 devices
-    .venv/bin/python benchmarks/zero_one_compute.py --size 4e6 --repeats 15
-    .venv/bin/python benchmarks/zero_one_compute.py --before OLD.json  # adds a before/after table
+    .venv/bin/python benchmarks/zero_one_compute.py                    # 1M and 10M, both settings
+    .venv/bin/python benchmarks/zero_one_compute.py --sizes 2.56e6 --settings single --repeats 15
+    .venv/bin/python benchmarks/zero_one_compute.py --before OLD.json  # adds the earlier ratios
 
 What is timed: the jitted train step ``params, state = step(params, state, grads)``
-(``tx.update`` + ``optax.apply_updates``, ``donate_argnums=(0, 1)``), one device,
-``axis_name=None`` (``--setting mesh``: per device in a 2-device ``jax.shard_map``
-on local gradients, the state from ``init_sharded``; Adam on their ``pmean``). Contestants: ``optax.adam``; ``onebit_adam`` in warmup and
+(``tx.update`` + ``optax.apply_updates``, ``donate_argnums=(0, 1)``), in two
+settings: ``single``, one device, ``axis_name=None``; ``mesh``, per device in a
+2-device ``jax.shard_map`` on local gradients (the state from ``init_sharded``,
+Adam on their ``pmean``: the switch holds real collectives). Contestants: ``optax.adam``; ``onebit_adam`` in warmup and
 in compression; ``zero_one_adam`` at a state whose next step is a variance,
 compressed, local (``local_steps=8``) or sync step (``local_steps=None``:
 every step after the freeze is a sync), found by running the real schedule
@@ -43,11 +43,11 @@ RESULTS = Path(__file__).parent / "results"
 
 def _parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--size", type=float, default=2.56e6, help="parameter count (default 2.56e6)")
+  p.add_argument("--sizes", default="1e6,1e7", help="comma-separated parameter counts (default 1e6,1e7)")
   p.add_argument("--repeats", type=int, default=9, help="timed steps per contestant")
   p.add_argument("--threads", choices=("1", "all"), default="1")
-  p.add_argument("--setting", choices=("single", "mesh"), default="single",
-                 help="one device (axis_name=None) or per device in a 2-device shard_map mesh")
+  p.add_argument("--settings", default="single,mesh",
+                 help="single: one device (axis_name=None); mesh: per device in a 2-device shard_map")
   p.add_argument("--json", default=None, help="also write the raw numbers here")
   p.add_argument("--before", default=None, help="a --json file of an earlier run: before/after table")
   p.add_argument("--out", default=str(RESULTS / "zero_one_compute.md"))
@@ -56,7 +56,7 @@ def _parse_args(argv):
 
 ARGS = _parse_args(sys.argv[1:]) if __name__ == "__main__" else None
 MESH_DEVICES = 2
-if ARGS is not None and ARGS.setting == "mesh":
+if ARGS is not None:  # (the single setting runs on the first device)
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={MESH_DEVICES}")
 if ARGS is None or ARGS.threads == "1":
@@ -204,33 +204,46 @@ def hlo_facts(step, params, state, grads) -> dict:
           "cond_result_bytes": cond_bytes, "temp_bytes": int(mem.temp_size_in_bytes)}
 
 
-def main(args) -> int:
-  size = int(args.size)
+def measure(setting: str, size: int, repeats: int) -> dict:
   load_start = os.getloadavg()
-  mesh = jax.make_mesh((MESH_DEVICES,), (AXIS,)) if args.setting == "mesh" else None
+  mesh = jax.make_mesh((MESH_DEVICES,), (AXIS,)) if setting == "mesh" else None
   grads = place(make_tree(size, 1), mesh)
   cands = contestants(size, grads, mesh)
   d4 = 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(grads))
   facts = {name: hlo_facts(c[0], c[1], c[2], grads) for name, c in cands.items()}
-  times = time_all(cands, grads, args.repeats)
-  med = {name: float(np.median(ts)) for name, ts in times.items()}
-  data = {"command": " ".join(["python", "benchmarks/zero_one_compute.py"] + [shlex.quote(a) for a in sys.argv[1:]]),
-          "commit": _provenance.git_commit(), "jax": jax.__version__, "size": size,
-          "repeats": args.repeats, "threads": args.threads, "cpus": os.cpu_count(),
-          "setting": args.setting,
-          "load_start": [round(x, 2) for x in load_start],
+  times = time_all(cands, grads, repeats)
+  return {"setting": setting, "size": size, "load_start": [round(x, 2) for x in load_start],
           "load_end": [round(x, 2) for x in os.getloadavg()],
-          "median_s": med, "all_s": times, "facts": facts, "d4": d4}
+          "median_s": {name: float(np.median(ts)) for name, ts in times.items()}, "all_s": times,
+          "facts": facts, "d4": d4}
+
+
+def main(args) -> int:
+  data = {"command": " ".join(["python", "benchmarks/zero_one_compute.py"] + [shlex.quote(a) for a in sys.argv[1:]]),
+          "commit": _provenance.git_commit(), "jax": jax.__version__, "repeats": args.repeats,
+          "threads": args.threads, "cpus": os.cpu_count(), "runs": []}
+  for setting in args.settings.split(","):
+    for size in args.sizes.split(","):
+      data["runs"].append(measure(setting, int(float(size)), args.repeats))
+      print(f"{setting} {int(float(size)):,}: done", flush=True)
   if args.json:
     Path(args.json).write_text(json.dumps(data, indent=1))
-  before = json.loads(Path(args.before).read_text()) if args.before else None
+  before = _runs(json.loads(Path(args.before).read_text())) if args.before else None
   Path(args.out).write_text("\n".join(render(data, before)) + "\n")
   print("\n".join(render(data, before)))
   return 0
 
 
-def _table(data) -> list:
-  med, facts, d4 = data["median_s"], data["facts"], data["d4"]
+def _runs(data) -> dict:
+  """A --json file; one of this script's earlier single-run format as one 'single' run."""
+  if "runs" in data:
+    return data
+  run = {k: data[k] for k in ("size", "load_start", "load_end", "median_s", "facts", "d4")}
+  return {**data, "runs": [dict(run, setting=data.get("setting", "single"))]}
+
+
+def _table(run) -> list:
+  med, facts, d4 = run["median_s"], run["facts"], run["d4"]
   lines = ["| step | median (ms) | **/ adam** | copies (HLO) | copied (D) | conditionals | "
            "largest conditional result (D) | temp (D) |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -242,32 +255,48 @@ def _table(data) -> list:
   return lines
 
 
+_WHERE = {"single": "one device, `axis_name=None`",
+          "mesh": f"per device in a {MESH_DEVICES}-device `shard_map` mesh, Adam on the `pmean` of the local gradients"}
+
+
 def _header(data) -> str:
-  return (f"`{data['command']}`: commit {data['commit']}, jax {data['jax']}, {data['size']:,} "
-          f"parameters, {data['repeats']} interleaved repeats, XLA intra-op threads {data['threads']}, "
-          f"{data['cpus']} CPUs; load average (1/5/15 min) at start {data['load_start']}, at end "
-          f"{data['load_end']} (a shared machine: ratios measured side by side, not absolute times).")
+  return (f"`{data['command']}`: commit {data['commit']}, jax {data['jax']}, {data['repeats']} "
+          f"interleaved repeats, XLA intra-op threads {data['threads']}, {data['cpus']} CPUs "
+          "(a shared machine: ratios measured side by side, not absolute times).")
+
+
+def _run_title(run) -> str:
+  return (f"{_WHERE[run['setting']]}, {run['size']:,} parameters; load average (1/5/15 min) at "
+          f"start {run['load_start']}, at end {run['load_end']}")
+
+
+def _summary(data) -> list:
+  lines = ["| setting | parameters | " + " | ".join(data["runs"][0]["median_s"]) + " |",
+           "|---|---:|" + "---:|" * len(data["runs"][0]["median_s"])]
+  for run in data["runs"]:
+    med = run["median_s"]
+    lines.append(f"| {run['setting']} | {run['size']:,} | " +
+                 " | ".join(f"{t / med['adam']:.2f}" for t in med.values()) + " |")
+  return lines
 
 
 def render(data, before=None) -> list:
-  where = ("one device, axis_name=None" if data.get("setting", "single") == "single" else
-           f"per device in a {MESH_DEVICES}-device shard_map mesh; Adam on the pmean of the local gradients")
-  lines = [f"#### 0/1 Adam compute per kind of step vs Adam ({where})", "",
+  lines = ["#### 0/1 Adam compute per kind of step vs Adam", "",
            "Timed: the jitted train step (`tx.update` + `optax.apply_updates`, params and state "
            "donated), median of interleaved repeats; each 0/1 Adam call starts from a copy of a "
            "state reached by the real schedule whose next step is of that kind "
            f"(`var_freeze_step={FREEZE}, var_update_scaler=2, local_step_scaler=1`; local: "
            "`local_steps=8`; sync: `local_steps=None`). D = parameter bytes (4 x count). HLO: "
            "the compiled step's `copy` instructions and their size, `conditional` count, the "
-           "largest conditional's result tuple, `memory_analysis().temp_size_in_bytes`.", "",
-           "After: " + _header(data) if before else _header(data), ""] + _table(data)
+           "largest conditional's result tuple, `memory_analysis().temp_size_in_bytes` (per "
+           "device). Goals (issue 25): 1-bit compression and every 0/1 step <= 1.3x Adam, "
+           "1-bit warmup and 0/1 variance steps <= 1.1x.", "",
+           ("After: " if before else "") + _header(data), "",
+           "Step time / Adam's, every run:", ""] + _summary(data)
+  for run in data["runs"]:
+    lines += ["", f"**{_run_title(run)}**", ""] + _table(run)
   if before:
-    lines += ["", "Before: " + _header(before), ""] + _table(before) + [
-        "", "| step | before / adam | after / adam |", "|---|---:|---:|"]
-    for name, t in data["median_s"].items():
-      b = before["median_s"].get(name)
-      bs = f"{b / before['median_s']['adam']:.2f}" if b else "-"
-      lines.append(f"| {name} | {bs} | {t / data['median_s']['adam']:.2f} |")
+    lines += ["", "Before: " + _header(before), "", "Step time / Adam's:", ""] + _summary(before)
   return lines
 
 
