@@ -151,8 +151,9 @@ def onebit_exchange(rows: jax.Array, server_error, layout: _layout.WireLayout, a
                  chunk_index=jax.lax.axis_index(axes.slow), n_slow=axes.n_slow)
   gathered = _gather(served.message, axes.slow, None)
   finite = _all_true(gathered_finite(gathered, layout.bits), axes.model)
-  new = jnp.where(finite, served.residual, old) if keep_if_nonfinite else served.residual
-  return gathered, new[None].astype(server_error.dtype), finite
+  # (in the buffer's own shape, (1, chunk): a select written through a reshape is not in place)
+  new = served.residual.reshape(server_error.shape).astype(server_error.dtype)
+  return gathered, jnp.where(finite, new, server_error) if keep_if_nonfinite else new, finite
 
 
 def _varying_axes(x) -> frozenset:

@@ -49,10 +49,22 @@ def _temps_d(tx, params):
   return compiled.memory_analysis().temp_size_in_bytes / (4 * _size(params))
 
 
+# One program holds every kind of step (1-bit Adam's two phases; 0/1 Adam's variance,
+# compressed, local steps and syncs): its temporaries bound every kind's.
+OPTIMIZERS = {
+    "onebit_adam": lambda axis: onebit_optax.onebit_adam(1e-3, axis_name=axis, freeze=1),
+    "zero_one_adam": lambda axis: onebit_optax.zero_one_adam(1e-3, axis_name=axis,
+                                                             var_freeze_step=10),
+    "zero_one_adam, local steps": lambda axis: onebit_optax.zero_one_adam(
+        1e-3, axis_name=axis, var_freeze_step=10, local_steps=4),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("tree", TREES)
-def test_one_device_temporaries_at_most_a_tenth_of_the_parameters(tree):
+def test_one_device_temporaries_at_most_a_tenth_of_the_parameters(tree, name):
   params = _abstract(TREES[tree])
-  onebit = onebit_optax.onebit_adam(1e-3, axis_name=None, freeze=1)
+  onebit = OPTIMIZERS[name](None)
   temps, adam = _temps_d(onebit, params), _temps_d(optax.adam(1e-3), params)
   print(f"\n[memory] {tree}: temporaries {temps:.3f} D (optax.adam {adam:.3f} D), "
         f"state {_state_d(onebit, params):.3f} D (optax.adam {_state_d(optax.adam(1e-3), params):.2f} D)")
@@ -72,7 +84,8 @@ def test_one_device_state_is_three_parameter_copies_and_the_message(tree):
   assert 3.0 < state <= 3.0 + 1 / 32 + 0.01, state
 
 
-def test_in_a_two_device_mesh_no_more_temporaries_than_adam_and_pmean():
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_in_a_two_device_mesh_no_more_temporaries_than_adam_and_pmean(name):
   mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
   params = _abstract(TREES["two leaves"])
   d = _size(params)
@@ -102,7 +115,7 @@ def test_in_a_two_device_mesh_no_more_temporaries_than_adam_and_pmean():
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(put(params, P()), state, grads).compile()
     return compiled.memory_analysis().temp_size_in_bytes / (4 * d)
 
-  onebit = temps(onebit_optax.onebit_adam(1e-3, axis_name="data", freeze=1), local=True)
+  onebit = temps(OPTIMIZERS[name]("data"), local=True)
   adam = temps(optax.adam(1e-3), local=False)
   print(f"\n[memory] 2 devices, per device: temporaries {onebit:.3f} D "
         f"(optax.adam + pmean {adam:.3f} D)")
