@@ -156,14 +156,29 @@ def _compute_rows(link) -> list[str]:
   if data is None:
     return []
   last = max(r["run"] for r in data["rows"] if r["size"] == 10_000_000)
+  zero_one = _load("zero_one_compute")
   rows = []
   for r in data["rows"]:
     if r["size"] == 10_000_000 and r["run"] == last:
       where = "one device" if r["setting"] == "single" else "2-device mesh, per device"
+      source = f"{link('optimizer_compute')} ({data['runs'][last - 1]['commit']})"
+      zo = _zero_one_compute(zero_one, r["setting"], r["size"])
+      if zo != NONE:
+        source += f", {link('zero_one_compute')} ({zero_one['commit']})"
       rows.append(_row("optimizer step time vs `optax.adam`, compressed steps",
-                       f"{where}, 10M parameters, CPU", f"{r['compression_ratio']:.2f}x", NONE,
-                       f"{link('optimizer_compute')} ({data['runs'][last - 1]['commit']})"))
+                       f"{where}, 10M parameters, CPU", f"{r['compression_ratio']:.2f}x", zo,
+                       source))
   return rows
+
+
+def _zero_one_compute(data, setting: str, size: int) -> str:
+  """0/1 Adam's compressed step (and sync) / Adam's, as zero_one_compute measured them."""
+  for run in (data or {}).get("runs", []):
+    if run["setting"] == setting and run["size"] == size:
+      med = run["median_s"]
+      ratio = lambda kind: med[f"0/1 {kind}"] / med["adam"]
+      return f"{ratio('compressed'):.2f}x (sync {ratio('sync'):.2f}x)"
+  return NONE
 
 
 def _compile_rows(link) -> list[str]:

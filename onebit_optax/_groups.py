@@ -38,8 +38,13 @@ def stacks(layout: _layout.WireLayout, sent: list) -> list:
   return [jnp.stack([sent[k].astype(F32) for k in span]) for span in layout.groups]
 
 
-def exact(layout: _layout.WireLayout, leaves: list) -> jax.Array:
-  """The exact leaves of ``leaves`` (tree order), raveled and concatenated: ``(exact_size,)`` float32."""
+def group_scale(scales: jax.Array, span: range, shape) -> jax.Array:
+  """The scales of a group's leaves (``span`` of the per-leaf ``scales``), ``(leaves, 1, ...)``: broadcastable against the group."""
+  return scales[span.start:span.stop].reshape((len(span),) + (1,) * len(shape))
+
+
+def exact(layout: _layout.WireLayout, leaves) -> jax.Array:
+  """The exact leaves of ``leaves`` (indexed by tree position), raveled and concatenated: ``(exact_size,)`` float32."""
   flat = [jnp.ravel(leaves[i]).astype(F32) for i in layout.exact]
   return jnp.concatenate(flat) if flat else jnp.zeros((0,), F32)
 

@@ -126,11 +126,6 @@ class _Moments(NamedTuple):
   wire_bytes: jax.Array
 
 
-def _group_scale(scales, span, shape):
-  """The scales of a group's leaves, ``(leaves, 1, ...)``: broadcastable against the group."""
-  return scales[span.start:span.stop].reshape((len(span),) + (1,) * len(shape))
-
-
 def _sent(hp: _Hyper, local, g, mean, scale, feedback):
   r"""What a device compresses: :math:`u = \beta_1 m + (1-\beta_1) g + e`, :math:`e = u' - s\,\mathrm{sign}(u')`.
 
@@ -162,7 +157,7 @@ def _write_sent(hp: _Hyper, plan: _Plan, grads: list, state):
     for g, (span, u, g_stack) in enumerate(zip(layout.groups, local, stacks)):
       # (in u's own shape, (1, leaves, *shape): XLA writes it in place, a reshape of it not)
       new = _sent(hp, u, g_stack[None], _wire.message_group(layout, state.momentum_message, g)[None],
-                  _group_scale(state.worker_scale[0], span, layout.group_shape(g))[None],
+                  _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None],
                   state.feedback_valid)
       out.append(new.astype(u.dtype))
     return tuple(out)

@@ -281,9 +281,9 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
       groups = []
       for g, (span, u) in enumerate(zip(layout.groups, local)):
         fresh = jnp.stack([value(layout.compressed[k]) for k in span])[None]
-        scale = _group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
+        scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
         groups.append((fresh + feedback(u, scale, valid)).astype(u.dtype))
-      return tuple(groups), vary(_exact_vector([value(i) for i in layout.exact]))
+      return tuple(groups), vary(_groups.exact(layout, {i: value(i) for i in layout.exact}))
     return branch
 
   def keep(local, g32):
@@ -297,16 +297,6 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
 
 def _is_sync(sched: Schedule) -> jax.Array:
   return (sched.kind == LOCAL) & sched.sync
-
-
-def _group_scale(scales, span, shape):
-  """The scales of a group's leaves, ``(leaves, 1, ...)``: broadcastable against the group."""
-  return scales[span.start:span.stop].reshape((len(span),) + (1,) * len(shape))
-
-
-def _exact_vector(values: list) -> jax.Array:
-  flat = [jnp.ravel(x).astype(F32) for x in values]
-  return jnp.concatenate(flat) if flat else jnp.zeros((0,), F32)
 
 
 def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, g32, finite, old: _Old):
