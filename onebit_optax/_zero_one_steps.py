@@ -280,9 +280,9 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
       valid = True if compressed else jnp.logical_not(sched.fresh)
       groups = []
       for g, (span, u) in enumerate(zip(layout.groups, local)):
-        fresh = jnp.stack([value(layout.compressed[k]) for k in span])[None]
+        sent = jnp.stack([value(layout.compressed[k]) for k in span])[None]
         scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
-        groups.append((fresh + feedback(u, scale, valid)).astype(u.dtype))
+        groups.append((sent + feedback(u, scale, valid)).astype(u.dtype))
       return tuple(groups), vary(_groups.exact(layout, {i: value(i) for i in layout.exact}))
     return branch
 
@@ -376,7 +376,8 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, mu, nu, nu_l1, finit
       continue
     d = direction(hp, m, v, bc1, bc2_here, floor[i], bounded, finite)
     if params is not None and plan.decays(i):
-      d = d + jnp.where(finite & (decay_at_zero | (v > 0)), hp.weight_decay * params[i].astype(F32), 0.0)
+      decay = hp.weight_decay * params[i].astype(F32)
+      d = d + jnp.where(finite & (decay_at_zero | (v > 0)), decay, 0.0)
     out.append(d if factor is None else factor * d)
   return out
 
@@ -411,8 +412,8 @@ def _restarted(hp: Hyper, plan: Plan, sched: Schedule, mu, local_mu, acc):
   if hp.local_steps is None:
     return None, None
   vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
-  return jax.lax.cond(_is_sync(sched), lambda lm, acc: ([vary(m) for m in mu], [jnp.zeros_like(a) for a in acc]),
-                      lambda lm, acc: (lm, acc), local_mu, acc)
+  restart = lambda lm, acc: ([vary(m) for m in mu], [jnp.zeros_like(a) for a in acc])
+  return jax.lax.cond(_is_sync(sched), restart, lambda lm, acc: (lm, acc), local_mu, acc)
 
 
 def _dropped(sched: Schedule, finite, local_sent, scales, old_scales):
