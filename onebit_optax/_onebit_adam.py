@@ -383,7 +383,8 @@ def _buffer_shapes(plan: _Plan) -> dict:
       local_momentum=None if axes.hierarchical else tuple(
           (1, len(span)) + tuple(layout.group_shape(g)) for g, span in enumerate(layout.groups)),
       worker_error=(1, layout.bits.padded // axes.n_fast) if axes.hierarchical else None,
-      server_error=(1, layout.bits.chunk) if axes.n_slow > 1 else None,
+      # (hierarchical: the slow axis compresses even with one node, as with more)
+      server_error=(1, layout.bits.chunk) if axes.n_slow > 1 or axes.hierarchical else None,
       momentum_message=(axes.num_devices, layout.row_bytes))
 
 

@@ -233,6 +233,28 @@ def test_replicas_bitwise_identical_after_compression(mesh):
                                          f"{name}{jax.tree_util.keystr(path)}")
 
 
+def test_one_node_compresses_too():
+  """The hierarchical recipe on one node (node axis of 1): past the freeze, nothing crosses nodes.
+
+  The server of the one-member slow axis still compresses its chunk with its
+  error (a server error buffer exists as with more nodes; there was none, and
+  the first compression step failed with a TypeError).
+  """
+  one_node = jax.make_mesh((1, LOCAL), AXES, devices=jax.devices()[:LOCAL])
+  params0, x, y, tx, params, opt_state, specs, x_dev, y_dev = _setup(one_node, freeze_at=3)
+  assert opt_state[0].server_error.shape[0] == LOCAL
+  step = _training_step(one_node, tx, specs)
+  loss = lambda p: float(flat_sim._loss(p, x.reshape(-1, *x.shape[2:]), y.reshape(-1, *y.shape[2:])))
+  for _ in range(12):
+    params, opt_state = jax.block_until_ready(step(params, opt_state, x_dev, y_dev))
+  assert bool(_fields.field(opt_state, "frozen"))
+  assert float(_fields.field(opt_state, "wire_bytes")) == 0.0  # no other node to send to
+  assert loss(params) < loss(params0)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    copies = [np.asarray(c).view(np.uint32) for c in flat_sim._replica_copies(leaf)]
+    assert len(copies) == LOCAL and all(np.array_equal(copies[0], c) for c in copies), path
+
+
 @pytest.fixture(scope="module")
 def phases(mesh):
   _, _, _, tx, params, opt_state, specs, x_dev, y_dev = _setup(mesh, freeze_at=10)
