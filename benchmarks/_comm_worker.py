@@ -580,7 +580,7 @@ def _profile_hier(args, mesh, flat, shapes):
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   import onebit_optax
-  from onebit_optax import _layout  # the optimizer's flat layout (private)
+  from onebit_optax import _collective, _layout  # the optimizer's flat layout (private)
 
   n, (nodes, local) = args.num_ranks, mesh.devices.shape
   layout = _layout.layout_for(shapes, n)
