@@ -29,8 +29,9 @@ package's optimizers at their defaults; DiLoCo as its inner rate), and DiLoCo's
 outer rate is chosen per H on the same selection seeds, from ``OUTER_LRS`` (the
 paper's 0.7 and below), halved while the smallest tried is the best, and 1.0
 tried when 0.7 is. A grid's best at an edge is extended (AdamW's by 3x,
-DiLoCo's outer rate by halving), twice at most. The comparison runs on fresh *evaluation* seeds (1000, 1001,
-...), disjoint from them; the report gives the same-seed (paired) difference to AdamW and its
+DiLoCo's outer rate by halving), twice at most. The comparison runs on fresh
+*evaluation* seeds (1000, 1001, ...), disjoint from them; the report gives the
+same-seed (paired) difference to AdamW and its
 standard error. Per run: the final validation loss (the whole held-out set),
 the bytes one device sent (the optimizers' ``wire_bytes``, summed) and the
 communication rounds (steps that sent anything).

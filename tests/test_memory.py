@@ -8,7 +8,6 @@ Units: D = parameters, float32 (4 bytes each).
 """
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -126,13 +125,9 @@ def test_in_a_two_device_mesh_no_more_temporaries_than_adam_and_pmean(name):
 
 def _copied_d(compiled, d: int) -> float:
   """Bytes of the compiled program's ``copy`` instructions, in D (the elements a step copies at most)."""
-  total = 0
-  for line in compiled.as_text().splitlines():
-    match = re.search(r"= (\w+)\[([0-9,]*)\]\S* copy\(", line)
-    if match:
-      dims = [int(x) for x in match.group(2).split(",") if x]
-      total += _hlo._DTYPE_BYTES[match.group(1)] * int(np.prod(dims or [1]))
-  return total / (4 * d)
+  module = _hlo.HloModule(compiled.as_text())
+  return sum(i.nbytes for i in module.instructions(module.computations)
+             if i.opcode == "copy") / (4 * d)
 
 
 # A sync with local steps restarts every device's momentum from the synced one: local_mu = m,
