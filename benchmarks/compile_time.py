@@ -28,8 +28,10 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,6 +62,9 @@ def _parse_args(argv):
   p.add_argument("--repeats", type=int, default=2, help="fresh trace+lower+compile per contestant")
   p.add_argument("--append", action="store_true",
                  help="keep the rows of earlier runs (from the .json) and add this run's")
+  p.add_argument("--kernels", action="store_true",
+                 help="also compile each step once more, untimed, with XLA's dump on, and "
+                      "count the kernels XLA:CPU compiles and their optimized LLVM IR")
   p.add_argument("--out", default=str(RESULTS / "compile_time.md"))
   return p.parse_args(argv)
 
@@ -119,6 +124,24 @@ def measure(name: str, leaves: int, mesh) -> dict:
   return {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2, "total_s": t3 - t0}
 
 
+def kernels(name: str, leaves: int, mesh) -> dict:
+  """What XLA:CPU compiles for the step: fusions, kernels (LLVM modules), lines of optimized IR.
+
+  XLA:CPU compiles one kernel per distinct fused computation: fusions that
+  differ only in their names share one. The compile time follows the kernels
+  and their IR, not the fusions.
+  """
+  tx = CONTESTANTS[name]()
+  step, params, state, grads = _abstract_args(name, tx, _tree(leaves), mesh)
+  with tempfile.TemporaryDirectory() as dump:
+    compiled = step.trace(params, state, grads).lower().compile(
+        compiler_options={"xla_dump_to": dump})
+    modules = list(Path(dump).glob("*.ir-with-opt.ll"))
+    ir_lines = sum(len(f.read_text().splitlines()) for f in modules)
+  fusions = len(re.findall(r"^\s*(?:ROOT )?%\S+ = \S+ fusion\(", compiled.as_text(), re.M))
+  return {"fusions": fusions, "kernels": len(modules), "ir_lines": ir_lines}
+
+
 _git_commit = _provenance.git_commit
 
 
@@ -147,8 +170,30 @@ def main():
     med = {name: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for name, rs in runs.items()}
     rows.append({"leaves": leaves, "shapes": len(SHAPES), "repeats": args.repeats,
                  "median": med, "all": runs, "run": len(runs_meta)})
+    if args.kernels:
+      rows[-1]["kernels"] = {name: kernels(name, leaves, mesh) for name in CONTESTANTS}
+      print(f"{leaves} leaves: {rows[-1]['kernels']}", flush=True)
     run["load_end"] = list(os.getloadavg())
     _write(args, runs_meta, rows)  # after each tree: a partial table survives an interrupted run
+
+
+def _kernel_lines(rows) -> list:
+  """The table of what XLA:CPU compiled, for the rows of runs with ``--kernels``."""
+  counted = [r for r in rows if "kernels" in r]
+  if not counted:
+    return []
+  lines = ["", "What XLA:CPU compiled (runs with `--kernels`: the same step compiled once more, "
+           "untimed, with `xla_dump_to`): fused computations in the program, kernels (distinct "
+           "fused computations, one LLVM module each) and lines of their optimized LLVM IR.", "",
+           "| leaves | run | contestant | fusions | kernels | IR lines | kernels / adam | "
+           "IR lines / adam |", "|---:|---:|---|---:|---:|---:|---:|---:|"]
+  for r in counted:
+    a = r["kernels"]["adam"]
+    for name, k in r["kernels"].items():
+      lines.append(f"| {r['leaves']} | {r['run']} | {name} | {k['fusions']} | {k['kernels']} | "
+                   f"{k['ir_lines']:,} | {k['kernels'] / a['kernels']:.1f}x | "
+                   f"{k['ir_lines'] / a['ir_lines']:.1f}x |")
+  return lines
 
 
 def _write(args, runs_meta, rows):
@@ -193,6 +238,7 @@ def _write(args, runs_meta, rows):
         f"{o['trace_s']:.2f} | {o['lower_s']:.2f} | {o['compile_s']:.2f} | "
         f"**{o['total_s']:.2f}** | **{r['ratio']:.2f}x** | {zero_one[0]} | {zero_one[1]} | "
         f"{'yes' if met else '**no**'} |")
+  lines += _kernel_lines(rows)
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text("\n".join(lines) + "\n")

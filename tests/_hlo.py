@@ -262,9 +262,36 @@ class HloModule:
     """Collectives in ``computations`` (async "-done" halves are not counted twice)."""
     return [i for i in self.instructions(computations) if i.collective]
 
+  def distinct_kernels(self) -> int:
+    """Fused computations that differ other than by their names: what XLA:CPU compiles.
+
+    XLA:CPU emits one kernel per distinct fused computation (``optax.adam``'s
+    program for 300 leaves of 20 shapes has 903 fusions and 63 kernels). A
+    fusion that slices its leaf out of a shared buffer differs from every
+    other leaf's, so it is compiled once per leaf. The compile time follows
+    this count (and the kernels' size), not the number of fusions.
+    """
+    bodies = set()
+    for instr in self.instructions(self.computations):
+      if instr.opcode == "fusion":
+        bodies.update(_normalized(self.computations[c]) for c in instr.called
+                      if c in self.computations)
+    return len(bodies)
+
   def conditionals(self) -> list[Instruction]:
     return [i for i in self.instructions(self.reachable([self.entry]))
             if i.opcode == "conditional"]
+
+
+_NAME = re.compile(r"%[\w.\-]+")
+_METADATA = re.compile(r", metadata=\{[^}]*\}")
+
+
+def _normalized(instructions: list[Instruction]) -> str:
+  """A computation's text with its names numbered in order of appearance, metadata dropped."""
+  names: dict[str, str] = {}
+  rename = lambda m: names.setdefault(m.group(0), f"%{len(names)}")
+  return "\n".join(_NAME.sub(rename, _METADATA.sub("", i.line)) for i in instructions)
 
 
 def _opcode(enum_value) -> str:
