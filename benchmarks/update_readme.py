@@ -185,7 +185,7 @@ def _compile_rows(link) -> list[str]:
   data = _load("compile_time")
   if data is None:
     return []
-  row = data["rows"][-1]
+  row = [r for r in data["rows"] if "ratio" in r][-1]  # (the last timed row; not --restart's)
   zero_one = row.get("zero_one_ratio")
   shapes = f" of {row['shapes']} shapes" if row.get("shapes") else " of one shape"
   return [_row("compile time vs `optax.adam` + `pmean`",
