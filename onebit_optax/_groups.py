@@ -43,6 +43,29 @@ def group_scale(scales: jax.Array, span: range, shape) -> jax.Array:
   return scales[span.start:span.stop].reshape((len(span),) + (1,) * len(shape))
 
 
+def feedback(sent: jax.Array, scale, valid=True) -> jax.Array:
+  r"""The error feedback :math:`e = u' - s'\,\mathrm{sign}(u')` of what was sent last (``u'``, ``s'``), float32.
+
+  Formed from the stored :math:`u'` and its scale, the same float operations
+  as a stored residual would have taken: no residual buffer, no residual
+  pass. ``valid`` False (a skipped step: :math:`u'` was not sent) gives 0.
+  """
+  sent = sent.astype(F32)
+  return jnp.where(valid, sent - jnp.where(sent >= 0, scale, -scale), 0.0)
+
+
+def rows(layout: _layout.WireLayout, sent: list, exact: jax.Array) -> tuple:
+  """Phase 1's rows of the groups ``sent`` (``(leaves, *shape)`` each) and the exact leaves' floats.
+
+  Each compressed leaf is sent as its packed signs and its RMS scale. Returns
+  ``(rows, scales)``: ``(num_devices, row_bytes)`` uint8 and the
+  ``(compressed leaves,)`` float32 scales, group after group.
+  """
+  scales = (jnp.concatenate([_wire.group_rms(u.astype(F32)) for u in sent]) if sent
+            else jnp.zeros((0,), F32))
+  return _wire.rows(layout, [_wire.group_signs(u) for u in sent], scales, exact), scales
+
+
 def exact(layout: _layout.WireLayout, leaves) -> jax.Array:
   """The exact leaves of ``leaves`` (indexed by tree position), raveled and concatenated: ``(exact_size,)`` float32."""
   flat = [jnp.ravel(leaves[i]).astype(F32) for i in layout.exact]

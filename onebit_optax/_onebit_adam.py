@@ -127,16 +127,12 @@ class _Moments(NamedTuple):
 
 
 def _sent(hp: _Hyper, local, g, mean, scale, feedback):
-  r"""What a device compresses: :math:`u = \beta_1 m + (1-\beta_1) g + e`, :math:`e = u' - s\,\mathrm{sign}(u')`.
+  r"""What a device compresses: :math:`u = \beta_1 m + (1-\beta_1) g + e` (:func:`_groups.feedback`).
 
-  ``local`` is the last :math:`u'` (as stored) and ``scale`` its scale: the
-  error feedback is formed here from them, the same float operations as a
-  stored residual would have taken, so no residual buffer and no residual
-  pass. ``feedback`` is False after a skipped step (its :math:`u'` was not sent).
+  ``local`` is the last :math:`u'` (as stored) and ``scale`` its scale;
+  ``feedback`` is False after a skipped step (its :math:`u'` was not sent).
   """
-  local = local.astype(F32)
-  error = jnp.where(feedback, local - jnp.where(local >= 0, scale, -scale), 0.0)
-  return hp.b1 * mean + (1.0 - hp.b1) * g.astype(F32) + error
+  return hp.b1 * mean + (1.0 - hp.b1) * g.astype(F32) + _groups.feedback(local, scale, feedback)
 
 
 def _write_sent(hp: _Hyper, plan: _Plan, grads: list, state):
@@ -166,13 +162,6 @@ def _write_sent(hp: _Hyper, plan: _Plan, grads: list, state):
                       grads)
 
 
-def _rows(plan: _Plan, sent, exact):
-  """The phase-1 rows of ``sent`` (per group, ``(leaves, *shape)``) and ``exact``, and the leaves' scales."""
-  scales = (jnp.concatenate([_wire.group_rms(u.astype(F32)) for u in sent]) if sent
-            else jnp.zeros((0,), F32))
-  return _wire.rows(plan.layout, [_wire.group_signs(u) for u in sent], scales, exact), scales
-
-
 def _exact_momenta(hp: _Hyper, plan: _Plan, grads: list, state):
   """The exact leaves' momenta :math:`\\beta_1 m + (1-\\beta_1) g`, concatenated (float32)."""
   old = _wire.message_exact(plan.layout, state.momentum_message)
@@ -186,7 +175,8 @@ def _compression(hp: _Hyper, plan: _Plan, grads: list, local, state) -> _Exchang
     gathered, worker_error, server_error, finite = _hierarchical_exchange(hp, plan, grads, state)
     scales = state.worker_scale
   else:
-    rows, scales = _rows(plan, [u[0] for u in local], _exact_momenta(hp, plan, grads, state))
+    rows, scales = _groups.rows(plan.layout, [u[0] for u in local],
+                                _exact_momenta(hp, plan, grads, state))
     gathered, server_error, finite = _collective.onebit_exchange(
         rows, state.server_error, plan.layout, axes, keep_if_nonfinite=hp.skip_nonfinite)
     scales, worker_error = _collective.vary(scales[None], axes.device_axes), state.worker_error
@@ -318,7 +308,7 @@ def _freeze_message(hp: _Hyper, plan: _Plan, mu: list, local, gathered, scale):
   groups = _groups.stacks(layout, [mu[i] for i in layout.compressed])
   exact = _groups.exact(layout, mu)
   if local is None:
-    rows, scales = _rows(plan, groups, exact)
+    rows, scales = _groups.rows(layout, groups, exact)
     return rows, _collective.vary((hp.b1 * scales)[None], plan.axes.device_axes), None
   zeros = jnp.zeros((len(layout.compressed),), F32)
   rows = _wire.rows(layout, [jnp.zeros((layout.bits.used // 8,), jnp.uint8)], zeros, exact)

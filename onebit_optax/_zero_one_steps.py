@@ -12,7 +12,6 @@ from onebit_optax import _bounded
 from onebit_optax import _collective
 from onebit_optax import _groups
 from onebit_optax import _layout
-from onebit_optax import _wire
 
 F32 = jnp.float32
 
@@ -92,20 +91,12 @@ def exchange(plan: Plan, sent: list, exact, server_error, hp: Hyper):
   RMS scale. Returns ``(gathered, scales, server_error, finite)``; ``finite``
   is read off the replicated gathered scales, so every device agrees on it.
   """
-  scales = (jnp.concatenate([_wire.group_rms(u.astype(F32)) for u in sent]) if sent
-            else jnp.zeros((0,), F32))
-  rows = _wire.rows(plan.layout, [_wire.group_signs(u) for u in sent], scales, exact)
+  rows, scales = _groups.rows(plan.layout, sent, exact)
   gathered, server_error, finite = _collective.onebit_exchange(
       rows, server_error, plan.layout, plan.axes, keep_if_nonfinite=hp.skip_nonfinite)
   if not hp.skip_nonfinite:
     finite = jnp.bool_(True)
   return gathered, _collective.vary(scales[None], plan.axes.device_axes), server_error, finite
-
-
-def feedback(sent, scale, valid=True):
-  """The error feedback :math:`e = u' - s'\\,\\mathrm{sign}(u')` from what was sent last (``u'``, ``s'``)."""
-  sent = sent.astype(F32)
-  return jnp.where(valid, sent - jnp.where(sent >= 0, scale, -scale), 0.0)
 
 
 def floors(hp: Hyper, plan: Plan, nu_l1, bc2) -> list:
@@ -282,7 +273,7 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
       for g, (span, u) in enumerate(zip(layout.groups, local)):
         sent = jnp.stack([value(layout.compressed[k]) for k in span])[None]
         scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
-        groups.append((sent + feedback(u, scale, valid)).astype(u.dtype))
+        groups.append((sent + _groups.feedback(u, scale, valid)).astype(u.dtype))
       return tuple(groups), vary(_groups.exact(layout, {i: value(i) for i in layout.exact}))
     return branch
 
