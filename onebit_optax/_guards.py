@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from onebit_optax import _collective
+
 __all__ = ["check_decay_rates", "check_learning_rate", "check_nonnegative", "check_step_counts",
            "static_int", "check_mapped_region", "check_wrappers", "check_state_layout",
            "check_same_tree", "check_float_params", "is_empty", "no_work"]
@@ -288,6 +290,27 @@ def check_state_layout(state, axis_name: Optional[Hashable], num_devices: int,
         f"in_specs gave them P(). Shard them with P({axis_name!r}) and everything else "
         f"with P(), which is what {specs} returns; use it as the state's in_specs and "
         "out_specs.")
+
+
+def check_local_gradients(updates, per_device, axis_name: Hashable, caller: str,
+                          local_params_call: str) -> None:
+  """Under ``shard_map``: the gradients vary over every axis the per-device buffers vary over.
+
+  Gradients replicated over a data axis were all-reduced in float32 by
+  ``jax.grad`` in the backward pass (the gradient with respect to replicated
+  parameters): the compression would then save nothing. ``per_device`` is one
+  of the state's per-device buffers; ``local_params_call`` the call that
+  gives the parameters to differentiate at.
+  """
+  per_device = _collective._varying_axes(per_device)
+  for name in _collective.axis_names(axis_name):
+    if name in per_device and any(name not in _collective._varying_axes(g)
+                                  for g in jax.tree.leaves(updates)):
+      raise ValueError(
+          f"{caller}: the gradients are replicated over {name!r}, i.e. already all-reduced. "
+          "Inside shard_map, jax.grad with respect to replicated params sums the gradients "
+          "across devices in the backward pass, which sends them in full precision and "
+          f"defeats the compression. Take the gradient at {local_params_call} instead.")
 
 
 def is_empty(tree) -> bool:

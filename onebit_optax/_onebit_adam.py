@@ -435,17 +435,8 @@ def _check_update(updates, state, axis_name, model_axis, exact_below) -> _Plan:
   _guards.check_state_layout(state, axis_name, plan.axes.num_devices, caller)
   _guards.check_same_tree(updates, state.nu, caller)
   _check_buffers(state, plan, caller)
-  replicated = [name for name in _collective.axis_names(axis_name)
-                if name in _collective._varying_axes(state.worker_scale)
-                and any(name not in _collective._varying_axes(g)
-                        for g in jax.tree.leaves(updates))]
-  if replicated:
-    raise ValueError(
-        f"{caller}: the gradients are replicated over {replicated[0]!r}, i.e. already "
-        "all-reduced. Inside shard_map, jax.grad with respect to replicated params sums "
-        "the gradients across devices in the backward pass, which sends them in full "
-        "precision and defeats the compression. Take the gradient with respect to "
-        f"onebit_optax.local_params(params, {axis_name!r}) instead.")
+  _guards.check_local_gradients(updates, state.worker_scale, axis_name, caller,
+                                f"onebit_optax.local_params(params, {axis_name!r})")
   return plan
 
 

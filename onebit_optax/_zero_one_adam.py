@@ -233,14 +233,9 @@ def _check_layout(updates, state, plan: _steps.Plan, caller: str) -> None:
 
 def _check_types(updates, params, hp: _steps.Hyper, plan: _steps.Plan, state, caller) -> None:
   """Under shard_map's type check: local gradients, and (local steps) replicated parameters."""
+  _guards.check_local_gradients(updates, state.worker_scale, plan.axes.data, caller,
+                                f"onebit_optax.local_params(params, {plan.axes.data!r}, opt_state)")
   names = _collective.axis_names(plan.axes.data)
-  per_device = _collective._varying_axes(state.worker_scale)
-  if any(n in per_device and any(n not in _collective._varying_axes(g)
-                                 for g in jax.tree.leaves(updates)) for n in names):
-    raise ValueError(
-        f"{caller}: the gradients are replicated over {plan.axes.data!r} (already all-reduced "
-        "by jax.grad in the backward pass). Take the gradient at "
-        "onebit_optax.local_params(params, axis_name, opt_state).")
   if hp.local_steps is None or params is None:
     return
   if any(n in _collective._varying_axes(p) for n in names for p in jax.tree.leaves(params)):
