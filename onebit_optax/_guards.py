@@ -271,8 +271,12 @@ def check_wrappers(axis_name: Optional[Hashable], caller: str) -> None:
 
 
 def check_state_layout(state, axis_name: Optional[Hashable], num_devices: int,
-                       caller: str) -> None:
-  """Recognises a ``pmap`` state, or per-device buffers passed whole, inside ``shard_map``."""
+                       caller: str, buffers: str) -> None:
+  """Recognises a ``pmap`` state, or per-device buffers passed whole, inside ``shard_map``.
+
+  Both optimizers' states have ``count`` and a per-device ``worker_scale``
+  of one row per device; ``buffers`` names the state's per-device buffers.
+  """
   specs = f"onebit_optax.state_partition_specs(state, {axis_name!r})"
   if np.ndim(state.count) != 0:
     raise ValueError(
@@ -284,8 +288,8 @@ def check_state_layout(state, axis_name: Optional[Hashable], num_devices: int,
   rows = state.worker_scale.shape[0] if np.ndim(state.worker_scale) == 2 else 1
   if num_devices > 1 and rows == num_devices:
     raise ValueError(
-        f"{caller}: the per-device buffers (local_momentum, worker_scale, worker_error, "
-        f"server_error) arrive whole on every device (worker_scale has shape "
+        f"{caller}: the per-device buffers ({buffers}) arrive whole on every device "
+        f"(worker_scale has shape "
         f"{state.worker_scale.shape}, one row per device), so the state's "
         f"in_specs gave them P(). Shard them with P({axis_name!r}) and everything else "
         f"with P(), which is what {specs} returns; use it as the state's in_specs and "

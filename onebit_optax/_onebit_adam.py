@@ -432,7 +432,8 @@ def _check_update(updates, state, axis_name, model_axis, exact_below) -> _Plan:
   _guards.check_wrappers(axis_name, caller)
   _guards.check_mapped_region(axis_name, caller)
   plan = _plan(updates, axis_name, model_axis, exact_below, caller)
-  _guards.check_state_layout(state, axis_name, plan.axes.num_devices, caller)
+  _guards.check_state_layout(state, axis_name, plan.axes.num_devices, caller,
+                             "local_momentum, worker_scale, worker_error, server_error")
   _guards.check_same_tree(updates, state.nu, caller)
   _check_buffers(state, plan, caller)
   _guards.check_local_gradients(updates, state.worker_scale, axis_name, caller,

@@ -209,11 +209,10 @@ def _update(updates, state, params, hp: _steps.Hyper, axis_name):
 
 def _check_layout(updates, state, plan: _steps.Plan, caller: str) -> None:
   """The state belongs to these parameters on this mesh, and arrived sharded per device."""
-  _guards.check_same_tree(updates, state.nu, caller)
   specs = f"onebit_optax.state_partition_specs(state, {plan.axes.data!r})"
-  if np.ndim(state.count) != 0:
-    raise ValueError(f"{caller}: the state has a leading device axis (a jax.pmap state); under "
-                     f"jax.shard_map make it with onebit_optax.init_sharded and {specs}.")
+  _guards.check_state_layout(state, plan.axes.data, plan.axes.num_devices, caller,
+                             "local_sent, worker_scale, server_error, local_mu, accumulator")
+  _guards.check_same_tree(updates, state.nu, caller)
   expected = (1, len(plan.layout.compressed))
   if tuple(np.shape(state.worker_scale)) != expected:
     raise ValueError(

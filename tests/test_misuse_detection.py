@@ -243,8 +243,18 @@ def _shard_map_step(tx, mesh, state_specs):
 # the library runs ("in_specs ... does not match the specs of the input"). The
 # library sees host copies (a state saved from a pmap run, or one fetched to the host).
 
-def test_pmap_state_in_a_shard_map_step(mesh):
-  tx = onebit_optax.onebit_adam(1e-3, axis_name="data")
+# Both optimizers: the per-device buffer the message names first.
+OPTIMIZERS = [
+    pytest.param(lambda: onebit_optax.onebit_adam(1e-3, axis_name="data"), "local_momentum",
+                 id="onebit"),
+    pytest.param(lambda: onebit_optax.zero_one_adam(1e-3, axis_name="data", var_freeze_step=10),
+                 "local_sent", id="zero_one"),
+]
+
+
+@pytest.mark.parametrize("make_tx, buffer", OPTIMIZERS)
+def test_pmap_state_in_a_shard_map_step(mesh, make_tx, buffer):
+  tx = make_tx()
   pmap_state = jax.device_get(jax.pmap(tx.init, axis_name="data")(_stacked(_params())))
   specs = jax.tree.map(lambda _: P(), pmap_state)
   with pytest.raises(ValueError) as excinfo:
@@ -253,11 +263,12 @@ def test_pmap_state_in_a_shard_map_step(mesh):
                 "state_partition_specs")
 
 
-def test_whole_state_replicated_with_p_in_a_shard_map_step(mesh):
-  tx = onebit_optax.onebit_adam(1e-3, axis_name="data")
+@pytest.mark.parametrize("make_tx, buffer", OPTIMIZERS)
+def test_whole_state_replicated_with_p_in_a_shard_map_step(mesh, make_tx, buffer):
+  tx = make_tx()
   state = jax.device_get(onebit_optax.init_sharded(tx, _params(), mesh))
   specs = jax.tree.map(lambda _: P(), state)  # P() for the whole state
   with pytest.raises(ValueError) as excinfo:
     _shard_map_step(tx, mesh, specs)(_params(), state, _batch(mesh))
-  _assert_words(excinfo, "local_momentum", "worker_scale has shape (8, ", "P('data')",
+  _assert_words(excinfo, buffer, "worker_scale has shape (8, ", "P('data')",
                 "state_partition_specs(state, 'data')")
