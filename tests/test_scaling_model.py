@@ -69,3 +69,23 @@ def test_query_prints_one_line(capsys):
   sm.main(["--params", "340e6", "--gbit", "25", "--ranks", "64"])
   out = capsys.readouterr().out.strip().splitlines()
   assert len(out) == 1 and "64 ranks (8 nodes x 8)" in out[0] and "1-bit Adam" in out[0]
+
+
+# The hierarchical 2 x 2 run with the node's rate calibrated from the run's own profile
+# (scaling_model.local_rate): -29% at 0d1dae9's rerun. What the model still leaves out is
+# the hierarchical exchange's own compute (the momenta flattened into the fast axis's
+# buffer), which the flat runs' compute does not hold: the profile's compressed_mean over
+# ('node', 'local') takes 0.58 s where its collectives take 0.36 s. With one TCP stream's
+# loopback rate for the node (10x what gloo's collectives reach) the miss was -69%.
+HIER_TOLERANCE = 0.35
+
+
+def test_prediction_of_the_hierarchical_run():
+  doc = sm.hier_measured()
+  assert doc is not None, "benchmarks/results/comm_throughput_hier.json is missing"
+  f, _ = sm.server_fraction(sm.load_json("comm_throughput.json"))
+  (row,) = sm.validate_hier(doc, f, 2e9)
+  run = doc["runs"][0]
+  assert row["local_Bps"] == sm.local_rate(run, run["ranks_per_node"])
+  assert row["local_Bps"] < run["local_bandwidth_Bps"] / 5  # gloo, not one TCP stream
+  assert abs(row["pred"] / row["meas"] - 1) < HIER_TOLERANCE, row
