@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/compile_time.py                       # 300 and 1000 leaves
     .venv/bin/python benchmarks/compile_time.py --leaves 300 --repeats 3
+    .venv/bin/python benchmarks/compile_time.py --leaves 300 --kernels  # + what XLA compiled
+    .venv/bin/python benchmarks/compile_time.py --leaves 300 --restart  # persistent cache
 
 On 8 simulated host devices (``--xla_force_host_platform_device_count=8``), for
 trees of 300 and 1000 leaves of about 1000 float32 elements in 20 distinct shapes
@@ -18,6 +20,11 @@ is traced (``jitted.trace``), lowered (``.lower()``) and compiled
 ``optax.adam`` on the ``pmean`` of the gradients. Each repeat builds a fresh
 function (no tracing or compilation cache hit); contestants alternate;
 medians reported. Goal: 1-bit / adam <= 1.5 (total).
+
+``--kernels`` also counts what XLA:CPU compiled (one kernel per distinct fused
+computation, and their optimized LLVM IR: what the compile time follows).
+``--restart`` instead times a restarted job with JAX's persistent compilation
+cache: each contestant's first compile, then a fresh function's.
 
 Writes benchmarks/results/compile_time.md and .json.
 """
