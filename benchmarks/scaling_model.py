@@ -353,11 +353,12 @@ def validate_hier(doc, f: float, local_Bps: float) -> list[dict]:
     key = next(k for k in s if "hier" in k)
     c = cpu_compute(doc if "onebit_compression" in doc.get("compute", {}).get("summary", {})
                     else load_json("comm_throughput_rates.json"), f)
-    t = step_times(run["num_params"], n, 4, _hier_net(run, local_Bps), c)
+    net = _hier_net(run, local_Bps)
+    t = step_times(run["num_params"], n, 4, net, c)
     rows.append({"rate": run.get("short_label", "?"), "mode": key, "pred": t["hier"],
                  "meas": s[key]["step_s"], "ratio_pred": t["adam"] / t["hier"],
                  "ratio_meas": s["adam"]["step_s"] / s[key]["step_s"],
-                 "local_Bps": _hier_net(run, local_Bps).local})
+                 "local_Bps": net.local})
   return rows
 
 
