@@ -66,7 +66,9 @@ def moments(opt_state, params):
   :func:`scale_by_onebit_adam`).
 
   For a 0/1 Adam state they are its ``mu`` (with local steps: the momentum of
-  the last sync; each device's own is ``local_mu``) and ``nu``, raw.
+  the last sync; each device's own is ``local_mu``) and ``nu``, raw; after a
+  compressed step the first moment is decoded from its ``momentum_message``
+  in the same way.
 
   Args:
     opt_state: the optimizer state, or any optax state that contains exactly one
@@ -90,20 +92,15 @@ def moments(opt_state, params):
   state = _find_state(opt_state, _EITHER)
   leaves = lambda tree: [jnp.asarray(_plain(x)) for x in jax.tree.leaves(tree)]
   mu, nu = leaves(state.mu), leaves(state.nu)
-  if isinstance(state, ScaleByZeroOneAdamState):  # tree-shaped in every kind of step
-    return _zero_one_moments(mu, nu, np.ndim(_plain(state.count)) == 1, params)
-  message = jnp.asarray(_plain(state.momentum_message))
-  frozen, scale = jnp.asarray(_plain(state.frozen)), jnp.asarray(_plain(state.worker_scale))
-  # At the freeze step itself the message holds no momentum yet (it is in the error
-  # feedback, see _freeze_message): mu keeps it.
-  sent = jnp.asarray(_plain(state.count)) > jnp.asarray(_plain(state.freeze_step))
+  message, scale = (jnp.asarray(_plain(x)) for x in (state.momentum_message, state.worker_scale))
+  in_message = _in_message(state)
   if message.ndim == 3:  # pmap: one copy per device
-    mu, nu, message, frozen, scale, sent = ([x[0] for x in mu], [x[0] for x in nu], message[0],
-                                            frozen[0], scale[0], sent[0])
+    mu, nu, message, scale, in_message = ([x[0] for x in mu], [x[0] for x in nu], message[0],
+                                          scale[0], in_message[0])
   shapes = _check_shapes(nu, params)
   treedef = jax.tree.structure(params)
   mu, nu = [x.astype(jnp.float32) for x in mu], [x.astype(jnp.float32) for x in nu]
-  if bool(frozen) and bool(sent):
+  if bool(in_message):
     layout = _layout_of(params, message, scale.shape[-1])
     exact = _wire.message_exact(layout, message)
     for k, i in enumerate(layout.compressed):
@@ -112,6 +109,16 @@ def moments(opt_state, params):
       offset = layout.exact_offsets[j]
       mu[i] = exact[offset:offset + layout.sizes[i]].reshape(shapes[i])
   return jax.tree.unflatten(treedef, mu), jax.tree.unflatten(treedef, nu)
+
+
+def _in_message(state) -> jax.Array:
+  """Whether the first moment lives in ``momentum_message`` (else in ``mu``)."""
+  if isinstance(state, ScaleByZeroOneAdamState):  # after a compressed step
+    return jnp.asarray(_plain(state.mu_in_message))
+  # 1-bit Adam: after the freeze step (at the freeze step itself the message holds no
+  # momentum yet: it is in the error feedback, see _freeze_message; mu keeps it).
+  sent = jnp.asarray(_plain(state.count)) > jnp.asarray(_plain(state.freeze_step))
+  return jnp.asarray(_plain(state.frozen)) & sent
 
 
 def _check_shapes(nu: list, params) -> list:
@@ -123,11 +130,3 @@ def _check_shapes(nu: list, params) -> list:
   return shapes
 
 
-def _zero_one_moments(mu: list, nu: list, stacked: bool, params):
-  """0/1 Adam's ``mu`` (with local steps: the last synced one) and ``nu``, as trees like ``params``."""
-  if stacked:  # pmap: one copy per device
-    mu, nu = [x[0] for x in mu], [x[0] for x in nu]
-  _check_shapes(nu, params)
-  treedef = jax.tree.structure(params)
-  return (jax.tree.unflatten(treedef, [x.astype(jnp.float32) for x in mu]),
-          jax.tree.unflatten(treedef, [x.astype(jnp.float32) for x in nu]))

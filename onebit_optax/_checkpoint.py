@@ -30,9 +30,12 @@ _META = "onebit_optax"
 # The layout of the 1-bit Adam state the record describes. 4: tree-shaped
 # moments, per-device local_momentum stacked per group of leaves of one shape,
 # worker_scale and the uint8 momentum_message in the groups' order (core v4).
-# 3 (core v3: one local_momentum per leaf, the stream in tree order) and 1
-# (flat padded mu/nu) are refused.
-_VERSION = 4
+# 5: 0/1 Adam's state also holds its momentum_message and mu_in_message (m as
+# the last compressed step's message); a 1-bit Adam record of format 4 has the
+# same layout and is read. 3 (core v3: one local_momentum per leaf, the stream
+# in tree order) and 1 (flat padded mu/nu) are refused.
+_VERSION = 5
+_ZERO_ONE_SIZED = _zero_one_sharding.PER_DEVICE + ("momentum_message",)
 _FORMAT = f"onebit_optax.checkpoint/{_VERSION}"
 _MAX_DIFFS = 8  # differences listed in a mismatch error
 # The fields whose shapes depend on the device count and the mesh layout: the
@@ -83,7 +86,7 @@ def _is_zero_one(state) -> bool:
 
 def _sized(state) -> tuple:
   """The fields whose shapes depend on the device count and the mesh layout."""
-  return _zero_one_sharding.PER_DEVICE if _is_zero_one(state) else _SIZED
+  return _ZERO_ONE_SIZED if _is_zero_one(state) else _SIZED
 
 
 def _find(opt_state) -> tuple[tuple, ScaleByOnebitAdamState]:
@@ -254,7 +257,7 @@ def _zero_one_layout(state) -> dict:
       # Per field: the global shape of each of its leaves (None: the field is absent).
       "buffers": {name: None if getattr(state, name) is None
                   else [_shape_of(x) for x in jax.tree.leaves(getattr(state, name))]
-                  for name in _zero_one_sharding.PER_DEVICE},
+                  for name in _ZERO_ONE_SIZED},
   }
 
 
@@ -453,8 +456,16 @@ def _first_difference(saved: str, now: str, context: int = 70) -> str:
 def _check_version(where: str, metadata: dict) -> None:
   """Refuses a record of another layout of the state (no conversion is offered)."""
   version = metadata.get("onebit_format")
-  if version == _VERSION:
+  zero_one = (metadata.get("layout") or {}).get("optimizer") == "zero_one_adam"
+  if version == _VERSION or (version == 4 and not zero_one):  # (1-bit Adam's is unchanged)
     return
+  if version == 4:
+    raise ValueError(
+        f"restore_checkpoint: {where} holds a 0/1 Adam state of checkpoint format 4, "
+        "written before its first moment was kept as the compressed steps' momentum "
+        "message (format 5 adds momentum_message and mu_in_message). No conversion is "
+        "offered: finish the run with the version that wrote it, or restore its 'params' "
+        "item with Orbax and start the optimizer afresh with init_sharded.")
   if version is None and not str(metadata.get("format", "")).startswith("onebit_optax."):
     raise ValueError(
         f"restore_checkpoint: {where} has no onebit_optax record (item {_META!r} holds no "
@@ -666,7 +677,7 @@ def _saved_item(target, info: dict, mesh):
       leaves = [_saved_target(shape, x.dtype, x, mesh)
                 for shape, x in zip(saved, jax.tree.leaves(now))]
       return jax.tree.unflatten(jax.tree.structure(now), leaves)
-    return state._replace(**{name: field(name) for name in _zero_one_sharding.PER_DEVICE})
+    return state._replace(**{name: field(name) for name in _ZERO_ONE_SIZED})
 
   def as_saved(state):
     if _is_zero_one(state):

@@ -29,8 +29,12 @@ class ScaleByZeroOneAdamState(NamedTuple):
   (leading axis 1 inside ``shard_map``/``pmap``; shard them with
   ``P(axis_name)``, see :func:`state_partition_specs`): ``local_sent``,
   ``worker_scale``, ``server_error`` and, with local steps, ``local_mu`` and
-  ``accumulator``. Everything else is replicated. Memory per device:
-  :math:`3D + D/n` floats without local steps, :math:`5D + D/n` with them
+  ``accumulator``. Everything else is replicated. After a compressed step
+  :math:`m` is ``momentum_message``, the 1-bit mean exactly as it went over
+  the wire (as in 1-bit Adam: no full-size write of :math:`m`), and ``mu``
+  holds it again from the next step of another kind (:func:`onebit_optax.moments`
+  shows :math:`m` in both cases). Memory per device: :math:`3D + D/n + D/32`
+  floats without local steps, :math:`5D + D/n + D/32` with them
   (:func:`optax.adam`: :math:`2D`).
 
   Example:
@@ -46,7 +50,7 @@ class ScaleByZeroOneAdamState(NamedTuple):
   """
 
   count: jax.Array  # shape=(), dtype=int32: steps taken (a skipped variance or compressed step is not counted).
-  mu: Any  # tree like params, float32, replicated: first moment (with local steps: the last synced one).
+  mu: Any  # tree like params, float32, replicated: first moment (with local steps: the last synced one); stale while mu_in_message.
   nu: Any  # tree like params, float32, replicated: second moment, raw; changes on variance steps only.
   nu_l1: jax.Array  # shape=(num_leaves,), dtype=float32: sum of nu over each leaf (the variance floor's reference).
   variance_updates: jax.Array  # shape=(), dtype=int32: variance steps taken (nu's bias correction).
@@ -63,6 +67,8 @@ class ScaleByZeroOneAdamState(NamedTuple):
   local_counter: jax.Array  # shape=(), dtype=int32: local-phase steps since local_interval last doubled.
   since_sync: jax.Array  # shape=(), dtype=int32: local steps since the last sync.
   phase: jax.Array  # shape=(), dtype=int32: the last step: 0 variance, 1 compressed, 2 local, 3 sync; -1 none.
+  momentum_message: jax.Array  # shape=(n, row_bytes), dtype=uint8, replicated: m as the last compressed step's 1-bit mean.
+  mu_in_message: jax.Array  # shape=(), dtype=bool: m lives in momentum_message (compressed steps), else in mu.
   wire_bytes: jax.Array  # shape=(), dtype=float32: bytes this device sent in the last step.
   onebit_steps: jax.Array  # shape=(), dtype=int32: steps taken that sent the 1-bit exchange (compressed, sync).
   skipped_steps: jax.Array  # shape=(), dtype=int32: steps skipped (on all devices together) as non-finite.
@@ -122,8 +128,10 @@ def _init(params, plan: _steps.Plan, local: bool) -> ScaleByZeroOneAdamState:
                     if plan.axes.n_slow > 1 else None),
       local_mu=per_device(), accumulator=per_device(), lr_sum=scalar(0.0, F32),
       local_interval=scalar(1), local_counter=scalar(0), since_sync=scalar(0),
-      phase=scalar(_steps.NO_STEP), wire_bytes=scalar(0.0, F32), onebit_steps=scalar(0),
-      skipped_steps=scalar(0))
+      phase=scalar(_steps.NO_STEP),
+      momentum_message=jnp.zeros((plan.axes.num_devices, plan.layout.row_bytes), jnp.uint8),
+      mu_in_message=scalar(False, jnp.bool_), wire_bytes=scalar(0.0, F32),
+      onebit_steps=scalar(0), skipped_steps=scalar(0))
 
 
 def _schedule(hp: _steps.Hyper, state: ScaleByZeroOneAdamState) -> _steps.Schedule:
@@ -168,6 +176,7 @@ def _next_state(hp, plan, state, sched: _steps.Schedule, res: _steps.Result):
       variance_step=jnp.where(is_var, sched.count, state.variance_step),
       local_sent=res.local_sent, worker_scale=res.worker_scale, server_error=res.server_error,
       local_mu=unflatten(res.local_mu), accumulator=unflatten(res.accumulator),
+      momentum_message=res.message, mu_in_message=res.mu_in_message,
       phase=jnp.where(advance, jnp.where(sched.sync, _steps.SYNC, sched.kind),
                       state.phase).astype(jnp.int32),
       wire_bytes=res.wire_bytes,
@@ -222,6 +231,12 @@ def _check_layout(updates, state, plan: _steps.Plan, caller: str) -> None:
         "buffer given P() would silently hand every device the same copy.")
   groups = [(1, len(span)) + tuple(plan.layout.group_shape(g))
             for g, span in enumerate(plan.layout.groups)]
+  message = (plan.axes.num_devices, plan.layout.row_bytes)
+  if tuple(np.shape(state.momentum_message)) != message:
+    raise ValueError(
+        f"{caller}: momentum_message has shape {np.shape(state.momentum_message)}, expected "
+        f"{message} (one row per device): the state was made for other parameters or another "
+        f"mesh; re-init it with onebit_optax.init_sharded and shard it with {specs}.")
   if [tuple(np.shape(u)) for u in state.local_sent] != groups:
     raise ValueError(
         f"{caller}: local_sent has shapes {[np.shape(u) for u in state.local_sent]}, expected "

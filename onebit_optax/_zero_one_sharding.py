@@ -8,6 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from onebit_optax import _accessors
 from onebit_optax import _zero_one_steps as _steps
 from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 
@@ -79,7 +80,7 @@ def partition_specs(node: ScaleByZeroOneAdamState, axis_name: Hashable):
 
 
 # What a move to another mesh keeps: everything but the per-device error feedback.
-_CARRIED = ("count", "mu", "nu", "nu_l1", "variance_updates", "var_interval", "var_counter",
+_CARRIED = ("count", "nu", "nu_l1", "variance_updates", "var_interval", "var_counter",
             "variance_step", "lr_sum", "local_interval", "local_counter", "since_sync", "phase",
             "wire_bytes", "onebit_steps", "skipped_steps")
 
@@ -90,7 +91,8 @@ def moved(old: ScaleByZeroOneAdamState, new: ScaleByZeroOneAdamState, mesh: Mesh
 
   The per-device error feedback (``local_sent``, ``worker_scale``,
   ``server_error``) is laid out for the new chunks and restarts from zero, as it
-  does after the freeze. Right after a sync every device's momentum is the
+  does after the freeze. A first moment held in the momentum message (whose
+  rows are the old chunks) is decoded into ``mu``, exactly. Right after a sync every device's momentum is the
   synced one, so ``local_mu`` is ``mu`` on every new device; between two syncs
   each device's progress has no owner on another device count: refused.
   """
@@ -105,7 +107,9 @@ def moved(old: ScaleByZeroOneAdamState, new: ScaleByZeroOneAdamState, mesh: Mesh
                         else NamedSharding(mesh, spec))
   replicated = lambda x: jax.device_put(np.asarray(x), place(P()))
   fields = {name: jax.tree.map(replicated, getattr(old, name)) for name in _CARRIED}
+  mu, _ = _accessors.moments(old, old.mu)  # (m decoded from the message where it lives there)
+  fields.update(mu=jax.tree.map(replicated, mu), mu_in_message=replicated(False))
   if old.local_mu is not None:
     fields["local_mu"] = jax.tree.map(lambda m, row: jax.device_put(
-        np.broadcast_to(np.asarray(m), row.shape), place(P(axis_name))), old.mu, new.local_mu)
+        np.broadcast_to(np.asarray(m), row.shape), place(P(axis_name))), mu, new.local_mu)
   return new._replace(**fields)

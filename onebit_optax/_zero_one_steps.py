@@ -12,6 +12,7 @@ from onebit_optax import _bounded
 from onebit_optax import _collective
 from onebit_optax import _groups
 from onebit_optax import _layout
+from onebit_optax import _wire
 
 F32 = jnp.float32
 
@@ -81,6 +82,8 @@ class Result(NamedTuple):
   accumulator: Any
   finite: jax.Array
   wire_bytes: jax.Array
+  message: jax.Array  # the momentum message after this step (a compressed step's 1-bit mean of m)
+  mu_in_message: jax.Array  # () bool: m lives in ``message``, not in ``mu``
 
 
 def exchange(plan: Plan, sent: list, exact, server_error, hp: Hyper):
@@ -262,27 +265,41 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
   layout = plan.layout
   vary = lambda x: _collective.vary(x, plan.axes.device_axes)
 
-  def values(compressed: bool):
+  def values(source: str):
     def branch(local, g32):
-      denominators = (None if compressed else
-                      _preconditioners(hp, plan, old.nu, state.nu_l1, bc2))
-      value = ((lambda i: _momentum(hp, old.mu[i], g32[i])) if compressed else
-               (lambda i: _outgoing_leaf(hp, plan, sched, old, i, g32[i], denominators, bc1)))
-      valid = True if compressed else jnp.logical_not(sched.fresh)
+      if source == "message":  # m decoded group by group, as 1-bit Adam's compression step
+        stacked = lambda g, span: _momentum(
+            hp, _wire.message_group(layout, state.momentum_message, g),
+            jnp.stack([g32[layout.compressed[k]] for k in span]))
+        old_exact = _wire.message_exact(layout, state.momentum_message)
+        exact = _momentum(hp, old_exact, _groups.exact(layout, g32))
+      else:
+        if source == "mu":
+          value = lambda i: _momentum(hp, old.mu[i], g32[i])
+        else:
+          denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2)
+          value = lambda i: _outgoing_leaf(hp, plan, sched, old, i, g32[i], denominators, bc1)
+        stacked = lambda g, span: jnp.stack([value(layout.compressed[k]) for k in span])
+        exact = _groups.exact(layout, {i: value(i) for i in layout.exact})
+      valid = jnp.logical_not(sched.fresh) if source == "sync" else True
       groups = []
       for g, (span, u) in enumerate(zip(layout.groups, local)):
-        sent = jnp.stack([value(layout.compressed[k]) for k in span])[None]
         scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
-        groups.append((sent + _groups.feedback(u, scale, valid)).astype(u.dtype))
-      return tuple(groups), vary(_groups.exact(layout, {i: value(i) for i in layout.exact}))
+        groups.append((stacked(g, span)[None] + _groups.feedback(u, scale, valid)).astype(u.dtype))
+      return tuple(groups), vary(exact)
     return branch
 
   def keep(local, g32):
     return local, vary(jnp.zeros((layout.exact_size,), F32))
 
   is_compressed = sched.kind == COMPRESSED
-  local, exact = jax.lax.cond(is_compressed, values(True), keep, state.local_sent, g32)
-  local, synced = jax.lax.cond(_is_sync(sched), values(False), keep, local, g32)
+  in_message = state.mu_in_message
+  local, exact = jax.lax.cond(is_compressed & in_message, values("message"), keep,
+                              state.local_sent, g32)
+  local, first = jax.lax.cond(is_compressed & jnp.logical_not(in_message), values("mu"), keep,
+                              local, g32)
+  local, synced = jax.lax.cond(_is_sync(sched), values("sync"), keep, local, g32)
+  exact = jnp.where(in_message, exact, first)
   return local, jnp.where(is_compressed, exact, synced)
 
 
@@ -316,14 +333,26 @@ def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, g32, finite
   return jax.lax.cond(sched.kind == VARIANCE, update, keep, old.mu, old.nu, finite)
 
 
+def _materialized_mu(plan: Plan, state, sched: Schedule, mu: list) -> list:
+  """``m`` written into ``mu`` from the momentum message, before any step but a compressed one reads ``mu``.
+
+  A compressed step keeps its 1-bit mean of ``m`` as the message itself (as
+  1-bit Adam does): no full-size write of ``m``. The other kinds read and
+  write ``m`` as float32, so the first of them after compressed steps decodes
+  it here (the message's exact leaves are exact); other steps pass ``mu``
+  through.
+  """
+  def decode(mu):
+    means = _groups.mean_leaves(plan.layout, state.momentum_message)
+    return [m if plan.kind(i)[0] == "z" else means[i] for i, m in enumerate(mu)]
+
+  return jax.lax.cond(state.mu_in_message & (sched.kind != COMPRESSED), decode, lambda mu: mu, mu)
+
+
 def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, finite,
                old: _Old, bc1, bc2):
-  """``m`` after a compressed step (the 1-bit mean) or a sync (restarted); other steps pass it through."""
+  """``m`` after a sync (restarted); other steps pass it through (a compressed step's ``m`` is its message)."""
   lr_sum = state.lr_sum + sched.lr
-
-  def compressed(mu):
-    means = _groups.mean_leaves(plan.layout, gathered)
-    return [m if plan.kind(i)[0] == "z" else means[i] for i, m in enumerate(mu)]
 
   def synced(mu):
     means = _groups.mean_leaves(plan.layout, gathered)
@@ -332,13 +361,11 @@ def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, 
         hp, plan, i, means[i], denominators[i], bc1, lr_sum, old.params), m)
             for i, m in enumerate(mu)]
 
-  keep = lambda mu: mu
-  mu = jax.lax.cond((sched.kind == COMPRESSED) & finite, compressed, keep, mu)
-  return jax.lax.cond(_is_sync(sched) & finite, synced, keep, mu)
+  return jax.lax.cond(_is_sync(sched) & finite, synced, lambda mu: mu, mu)
 
 
-def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, mu, nu, nu_l1, finite, bc1, bc2,
-             params) -> list:
+def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, nu_l1, finite,
+             bc1, bc2, params) -> list:
   r"""Every kind's update, one expression from the new ``m`` and ``v`` with per-kind scalars.
 
   A variance or compressed step: Adam's (bounded) direction :math:`d` plus the
@@ -360,12 +387,15 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, mu, nu, nu_l1, finit
   else:
     lr_sum = state.lr_sum + sched.lr
     factor = jnp.where(sched.kind == LOCAL, jnp.where(sched.sync, -lr_sum, 0.0), -sched.lr)
+  is_compressed = sched.kind == COMPRESSED  # (m: the new message, decoded leaf by leaf)
+  means = _groups.mean_leaves(plan.layout, gathered)
   out = []
   for i, (m, v) in enumerate(zip(mu, nu)):
     if plan.kind(i)[0] == "z":
       out.append(_zeros_like(m))
       continue
-    d = direction(hp, m, v, bc1, bc2_here, floor[i], bounded, finite)
+    d = direction(hp, jnp.where(is_compressed, means[i], m), v, bc1, bc2_here, floor[i], bounded,
+                  finite)
     if params is not None and plan.decays(i):
       decay = hp.weight_decay * params[i].astype(F32)
       d = d + jnp.where(finite & (decay_at_zero | (v > 0)), decay, 0.0)
@@ -453,6 +483,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   bc2 = v_correction(hp, state.variance_updates, state.variance_step)  # v held: not a variance step
   old = _Old(jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), leaves_or_none(state.local_mu),
              leaves_or_none(state.accumulator), params)
+  old = old._replace(mu=_materialized_mu(plan, state, sched, old.mu))
   local_mu, accumulator = _local_step(hp, plan, state, sched, g32, old, bc1, bc2)
   old = old._replace(local_mu=local_mu, accumulator=accumulator)  # (the same values: read after)
   local_sent, exact = _write_sent(hp, plan, g32, state, sched, old, bc1, bc2)
@@ -461,11 +492,14 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   mu, nu, nu_l1, finite = _variance_moments(hp, plan, state, sched, g32, finite, old)
   # (every later reader takes v's successor, never the old buffer that its writer overwrites)
   mu = _onebit_mu(hp, plan, state, sched, gathered, mu, nu, finite, old, bc1, bc2)
-  updates = _updates(hp, plan, state, sched, mu, nu, nu_l1, finite, bc1, bc2, params)
+  updates = _updates(hp, plan, state, sched, gathered, mu, nu, nu_l1, finite, bc1, bc2, params)
   local_sent, worker_scale = _dropped(sched, finite, local_sent, scales, state.worker_scale)
   is_var = sched.kind == VARIANCE
+  is_compressed = sched.kind == COMPRESSED
+  message = jnp.where(is_compressed & finite, gathered, state.momentum_message)
+  in_message = jnp.where(is_compressed, finite | state.mu_in_message, False)
   wire = jnp.where(is_var, _bytes_allreduce(plan),
                    jnp.where(_sends_onebit(sched), _bytes_onebit(plan), 0.0)).astype(F32)
   local_mu, accumulator = _restarted(hp, plan, sched, mu, local_mu, accumulator)
   return Result(updates, mu, nu, nu_l1, local_sent, worker_scale, server_error,
-                local_mu, accumulator, finite, wire)
+                local_mu, accumulator, finite, wire, message, in_message)

@@ -231,7 +231,7 @@ def test_the_record_carries_the_format_version(uninterrupted):
   with open(os.path.join(uninterrupted[0], str(run.COMPRESSION_SAVE), "onebit_optax",
                          "metadata")) as f:
     record = json.load(f)
-  assert record["onebit_format"] == 4
+  assert record["onebit_format"] == 5
   assert record["layout"]["num_devices"] == 8 and record["layout"]["compressed"] == FLAT
   assert record["layout"]["buffers"]["worker_error"] is None
 
@@ -341,8 +341,8 @@ def test_a_checkpoint_of_the_old_flat_layout_is_refused(tmp_path):
                                       "onebit_format": 3}, old_state)
   with pytest.raises(ValueError, match=r"core v3(.|\n)*one array per leaf(.|\n)*init_sharded"):
     _restore(str(tmp_path / "v3"))
-  _fake_record(str(tmp_path / "newer"), {"format": "onebit_optax.checkpoint/5",
-                                         "onebit_format": 5}, old_state)
+  _fake_record(str(tmp_path / "newer"), {"format": "onebit_optax.checkpoint/6",
+                                         "onebit_format": 6}, old_state)
   with pytest.raises(ValueError, match="newer onebit-optax"):
     _restore(str(tmp_path / "newer"))
 

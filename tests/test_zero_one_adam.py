@@ -357,8 +357,8 @@ def _inner(opt_state):
 def _check_against(sim, params, opt_state, at):
   s = _inner(opt_state)
   big = lambda tree: max(float(np.max(np.abs(np.asarray(tree[k])))) for k in NAMES) or 1.0
-  for name, actual, expected in (("params", params, sim.p), ("mu", s.mu, sim.mu),
-                                 ("nu", s.nu, sim.nu)):
+  mu, nu = onebit_optax.moments(opt_state, params)  # (m decoded from the message when it lives there)
+  for name, actual, expected in (("params", params, sim.p), ("mu", mu, sim.mu), ("nu", nu, sim.nu)):
     scale = big(expected)
     for k in NAMES:
       np.testing.assert_allclose(np.asarray(actual[k]), expected[k], rtol=0, atol=TOL * scale,
@@ -848,20 +848,26 @@ def test_bfloat16_params_under_inject_hyperparams(H):
   assert float(loss(params)) < 0.05 * float(loss({"w": jnp.ones(300), "b": jnp.zeros(3)}))
 
 
-@pytest.mark.parametrize("H", [None, 4])
-def test_move_state_to_another_device_count(H, tmp_path):
+@pytest.mark.parametrize("H,steps,phase", [(None, 22, "sync"), (4, 22, "sync"),
+                                            (None, 11, "compressed")])
+def test_move_state_to_another_device_count(H, steps, phase, tmp_path):
   """8 -> 4 devices through a checkpoint: moments and schedule carried, error feedback re-laid out (zeros); between syncs refused."""
   step, params, state, c, t = _start(H)
-  for _ in range(22):  # step 22: a sync (with H = 4: syncs at 20, 22, 26)
+  for _ in range(steps):  # step 22: a sync (with H = 4: syncs at 20, 22, 26); 11: compressed
     params, state, _ = step(params, state, c, t)
-  assert onebit_optax.status(state).phase == "sync"
+  assert onebit_optax.status(state).phase == phase
+  assert bool(_inner(state).mu_in_message) == (phase == "compressed")
   tx = _tx(H)
   mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   host_params = jax.tree.map(np.asarray, params)
   onebit_optax.save_checkpoint(tmp_path, 22, params, state, tx=tx)
   _, moved, _ = onebit_optax.restore_checkpoint(tmp_path, tx, host_params, mesh4)
   old, new = _inner(state), _inner(moved)
-  for name in ("count", "mu", "nu", "nu_l1", "variance_updates", "var_interval", "var_counter",
+  old_mu, new_mu = (onebit_optax.moments(x, host_params)[0] for x in (state, moved))
+  assert all(np.array_equal(np.asarray(a), np.asarray(b))  # (decoded exactly where m was the message)
+             for a, b in zip(jax.tree.leaves(old_mu), jax.tree.leaves(new_mu)))
+  assert not bool(new.mu_in_message)
+  for name in ("count", "nu", "nu_l1", "variance_updates", "var_interval", "var_counter",
                "variance_step", "local_interval", "local_counter", "since_sync", "phase"):
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
                         getattr(old, name), getattr(new, name))
@@ -871,7 +877,7 @@ def test_move_state_to_another_device_count(H, tmp_path):
   chunk4 = _flat.Bits([100, 1200], 4).chunk
   assert np.shape(new.server_error) == (4, chunk4) and not np.any(np.asarray(new.server_error))
   if H is not None:
-    np.testing.assert_array_equal(np.asarray(new.local_mu["w"])[3], np.asarray(old.mu["w"]))
+    np.testing.assert_array_equal(np.asarray(new.local_mu["w"])[3], np.asarray(old_mu["w"]))
   # The moved state is one the 4-device update accepts (traced, not compiled).
   specs = onebit_optax.state_partition_specs(moved, "data")
 
