@@ -296,6 +296,23 @@ def check_state_layout(state, axis_name: Optional[Hashable], num_devices: int,
         "out_specs.")
 
 
+def check_buffers(state, expected: dict, num_devices: int, caller: str) -> None:
+  """The state's mesh-sized buffers have the shapes ``expected`` (name -> shape, a tuple of them, or None)."""
+  def shape(x):
+    if x is None:
+      return None
+    return tuple(shape(u) for u in x) if isinstance(x, tuple) else tuple(np.shape(x))
+
+  found = {name: shape(getattr(state, name)) for name in expected}
+  if found != expected:
+    raise ValueError(
+        f"{caller}: the state's per-device buffers have shapes {found}, but these "
+        f"parameters on {num_devices} devices need {expected}: the state was made for another "
+        "device count or mesh: re-init it on this mesh, or restore it with "
+        "onebit_optax.restore_checkpoint (which moves it to another device count). Under "
+        "shard_map, shard it with onebit_optax.state_partition_specs(state, axis_name).")
+
+
 def check_local_gradients(updates, per_device, axis_name: Hashable, caller: str,
                           local_params_call: str) -> None:
   """Under ``shard_map``: the gradients vary over every axis the per-device buffers vary over.

@@ -406,21 +406,6 @@ def _placeholder_state(params) -> ScaleByOnebitAdamState:
   return ScaleByOnebitAdamState(**{**fields, "mu": params, "nu": params})
 
 
-def _check_buffers(state, plan: _Plan, caller: str) -> None:
-  expected = _buffer_shapes(plan)
-  shape = lambda x: (None if x is None else tuple(shape(u) for u in x) if isinstance(x, tuple)
-                     else tuple(np.shape(x)))
-  found = {name: shape(getattr(state, name)) for name in expected}
-  if found != expected:
-    n = plan.axes.num_devices
-    raise ValueError(
-        f"{caller}: the state's per-device buffers have shapes {found}, but these "
-        f"parameters on {n} devices need {expected}: the state was made for another "
-        "device count or mesh: re-init it on this mesh, or restore it with "
-        "onebit_optax.restore_checkpoint (which moves it to another device count). Under "
-        "shard_map, shard it with onebit_optax.state_partition_specs(state, axis_name).")
-
-
 def _check_update(updates, state, axis_name, model_axis, exact_below) -> _Plan:
   """Validates the update's inputs; returns the plan of this update."""
   caller = "scale_by_onebit_adam.update"
@@ -435,7 +420,7 @@ def _check_update(updates, state, axis_name, model_axis, exact_below) -> _Plan:
   _guards.check_state_layout(state, axis_name, plan.axes.num_devices, caller,
                              "local_momentum, worker_scale, worker_error, server_error")
   _guards.check_same_tree(updates, state.nu, caller)
-  _check_buffers(state, plan, caller)
+  _guards.check_buffers(state, _buffer_shapes(plan), plan.axes.num_devices, caller)
   _guards.check_local_gradients(updates, state.worker_scale, axis_name, caller,
                                 f"onebit_optax.local_params(params, {axis_name!r})")
   return plan

@@ -111,25 +111,36 @@ def _plan(tree, axis_name, exact_below: int, caller: str) -> _steps.Plan:
                      jax.tree.structure(tree))
 
 
+def _buffer_shapes(plan: _steps.Plan) -> dict:
+  """The shapes of the buffers that follow the mesh (None: the buffer does not exist)."""
+  layout, axes = plan.layout, plan.axes
+  return dict(
+      local_sent=tuple((1, len(span)) + tuple(layout.group_shape(g))
+                       for g, span in enumerate(layout.groups)),
+      worker_scale=(1, len(layout.compressed)),
+      server_error=(1, layout.bits.chunk) if axes.n_slow > 1 else None,
+      momentum_message=(axes.num_devices, layout.row_bytes))
+
+
 def _init(params, plan: _steps.Plan, local: bool) -> ScaleByZeroOneAdamState:
   vary = lambda x: _collective.vary(x, plan.axes.device_axes)
   leaves = jax.tree.leaves(params)
   tree = lambda make: jax.tree.unflatten(plan.treedef, [make(jnp.shape(p)) for p in leaves])
   per_device = lambda: tree(lambda s: vary(jnp.zeros((1,) + s, F32))) if local else None
   scalar = lambda value, dtype=jnp.int32: jnp.full([], value, dtype)
+  shapes = _buffer_shapes(plan)
   return ScaleByZeroOneAdamState(
       count=scalar(0), mu=tree(lambda s: jnp.zeros(s, F32)), nu=tree(lambda s: jnp.zeros(s, F32)),
       nu_l1=jnp.zeros((len(leaves),), F32), variance_updates=scalar(0), var_interval=scalar(1),
       var_counter=scalar(0), variance_step=scalar(0),
-      local_sent=tuple(vary(jnp.zeros((1, len(span)) + tuple(plan.layout.group_shape(g)), F32))
-                       for g, span in enumerate(plan.layout.groups)),
-      worker_scale=vary(jnp.zeros((1, len(plan.layout.compressed)), F32)),
-      server_error=(vary(jnp.zeros((1, plan.layout.bits.chunk), F32))
-                    if plan.axes.n_slow > 1 else None),
+      local_sent=tuple(vary(jnp.zeros(shape, F32)) for shape in shapes["local_sent"]),
+      worker_scale=vary(jnp.zeros(shapes["worker_scale"], F32)),
+      server_error=(None if shapes["server_error"] is None
+                    else vary(jnp.zeros(shapes["server_error"], F32))),
       local_mu=per_device(), accumulator=per_device(), lr_sum=scalar(0.0, F32),
       local_interval=scalar(1), local_counter=scalar(0), since_sync=scalar(0),
       phase=scalar(_steps.NO_STEP),
-      momentum_message=jnp.zeros((plan.axes.num_devices, plan.layout.row_bytes), jnp.uint8),
+      momentum_message=jnp.zeros(shapes["momentum_message"], jnp.uint8),
       mu_in_message=scalar(False, jnp.bool_), wire_bytes=scalar(0.0, F32),
       onebit_steps=scalar(0), skipped_steps=scalar(0))
 
@@ -218,31 +229,10 @@ def _update(updates, state, params, hp: _steps.Hyper, axis_name):
 
 def _check_layout(updates, state, plan: _steps.Plan, caller: str) -> None:
   """The state belongs to these parameters on this mesh, and arrived sharded per device."""
-  specs = f"onebit_optax.state_partition_specs(state, {plan.axes.data!r})"
   _guards.check_state_layout(state, plan.axes.data, plan.axes.num_devices, caller,
                              "local_sent, worker_scale, server_error, local_mu, accumulator")
   _guards.check_same_tree(updates, state.nu, caller)
-  expected = (1, len(plan.layout.compressed))
-  if tuple(np.shape(state.worker_scale)) != expected:
-    raise ValueError(
-        f"{caller}: worker_scale has shape {np.shape(state.worker_scale)}, expected {expected}: "
-        f"the per-device buffers arrive whole (in_specs P()) or the state was made for another "
-        f"mesh. Shard the state with {specs} (per-device buffers on P(axis)); a per-device "
-        "buffer given P() would silently hand every device the same copy.")
-  groups = [(1, len(span)) + tuple(plan.layout.group_shape(g))
-            for g, span in enumerate(plan.layout.groups)]
-  message = (plan.axes.num_devices, plan.layout.row_bytes)
-  if tuple(np.shape(state.momentum_message)) != message:
-    raise ValueError(
-        f"{caller}: momentum_message has shape {np.shape(state.momentum_message)}, expected "
-        f"{message} (one row per device): the state was made for other parameters or another "
-        f"mesh; re-init it with onebit_optax.init_sharded and shard it with {specs}.")
-  if [tuple(np.shape(u)) for u in state.local_sent] != groups:
-    raise ValueError(
-        f"{caller}: local_sent has shapes {[np.shape(u) for u in state.local_sent]}, expected "
-        f"{groups} (one buffer per group of leaves of one shape): the state was made for other "
-        "parameters, another mesh or an older onebit-optax; re-init it with "
-        f"onebit_optax.init_sharded and shard it with {specs}.")
+  _guards.check_buffers(state, _buffer_shapes(plan), plan.axes.num_devices, caller)
 
 
 def _check_types(updates, params, hp: _steps.Hyper, plan: _steps.Plan, state, caller) -> None:
