@@ -307,10 +307,12 @@ def _summary(data) -> list:
 def render(data, before=None) -> list:
   lines = ["#### 0/1 Adam compute per kind of step vs Adam", "",
            "Timed: the jitted train step (`tx.update` + `optax.apply_updates`, params and state "
-           "donated), median of interleaved repeats; each 0/1 Adam call starts from a copy of a "
-           "state reached by the real schedule whose next step is of that kind "
-           f"(`var_freeze_step={FREEZE}, var_update_scaler=2, local_step_scaler=1`; local: "
-           "`local_steps=8`; sync: `local_steps=None`). D = parameter bytes (4 x count). HLO: "
+           "donated), median of interleaved repeats; every contestant trains on from the "
+           "state its last call returned, each 0/1 Adam kind in a run of its kind (its own "
+           f"schedule: variance, `var_update_scaler={NEVER}`; compressed, "
+           "`var_update_scaler=1`; local, `local_steps=64, local_step_scaler=1`; sync, "
+           f"`local_steps=None` after `var_freeze_step={FREEZE}`; each timed step's kind "
+           "checked). D = parameter bytes (4 x count). HLO: "
            "the compiled step's `copy` instructions and their size, `conditional` count, the "
            "largest conditional's result tuple, `memory_analysis().temp_size_in_bytes` (per "
            "device). Goals (issue 25): 1-bit compression and every 0/1 step <= 1.3x Adam, "
