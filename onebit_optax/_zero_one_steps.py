@@ -357,8 +357,11 @@ def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, 
   def synced(mu):
     means = _groups.mean_leaves(plan.layout, gathered)
     denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2)
-    return [m if plan.kind(i)[0] == "z" else jnp.where(lr_sum > 0, _momentum_after_sync(
-        hp, plan, i, means[i], denominators[i], bc1, lr_sum, old.params), m)
+    restarted = lambda i: _momentum_after_sync(hp, plan, i, means[i], denominators[i], bc1,
+                                               lr_sum, old.params)
+    if hp.local_steps is None:  # every step is a sync, of learning rate 1: lr_sum is 1
+      return [m if plan.kind(i)[0] == "z" else restarted(i) for i, m in enumerate(mu)]
+    return [m if plan.kind(i)[0] == "z" else jnp.where(lr_sum > 0, restarted(i), m)
             for i, m in enumerate(mu)]
 
   return jax.lax.cond(_is_sync(sched) & finite, synced, lambda mu: mu, mu)
