@@ -636,7 +636,7 @@ def compressed_average(x, worker_error, server_error, axis_name, *, layout,
   n_slow = axis_size(slow, caller="compressed_mean")
   part = _part(layout, _axis_index(fast), n_slow)
   block, segments = layout.block, layout.max_segments
-  chunk_bytes, blocks_per_chunk = layout.chunk // 8, layout.num_blocks // layout.num_devices
+  chunk_bytes = layout.chunk // 8
 
   # Phase 1: every device compresses its (error-compensated) part, one scale per
   # segment, and sends chunk r of the packed signs, with the chunk's scales, to

@@ -18,6 +18,8 @@ Per-leaf sums are one variadic reduction per shape (:func:`sums`).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -26,6 +28,29 @@ from onebit_optax import _layout
 from onebit_optax import _wire
 
 F32 = jnp.float32
+
+
+class Plan(NamedTuple):
+  """What one update of either optimizer knows statically: the mesh, the wire layout, the tree."""
+
+  axes: _collective.Axes
+  layout: _layout.WireLayout
+  treedef: Any
+  decay: tuple = ()  # per leaf: gets weight decay (empty: every leaf); 0/1 Adam's own decay.
+
+  def decays(self, i: int) -> bool:
+    return not self.decay or self.decay[i]
+
+  def kind(self, i: int):
+    """('c', k): leaf ``i`` is compressed leaf ``k``; ('e', j): exact leaf ``j``; ('z',): empty."""
+    return self.layout.roles[i]
+
+
+def plan(tree, axes: _collective.Axes, exact_below: int) -> Plan:
+  """The plan of an update of ``tree`` on ``axes`` (hierarchical: every leaf is compressed)."""
+  # (exact leaves travel only over a flat axis)
+  below = 0 if axes.hierarchical else exact_below
+  return Plan(axes, _layout.wire_layout_for(tree, axes.num_devices, below), jax.tree.structure(tree))
 
 
 def stacks(layout: _layout.WireLayout, sent: list) -> list:

@@ -89,18 +89,6 @@ class _Hyper(NamedTuple):
   exact_below: int
 
 
-class _Plan(NamedTuple):
-  """What one update knows statically: the mesh, the wire layout, the tree."""
-
-  axes: _collective.Axes
-  layout: _layout.WireLayout
-  treedef: Any
-
-  def kind(self, i: int):
-    """('c', k): leaf ``i`` is compressed leaf ``k``; ('e', j): exact leaf ``j``; ('z',): empty."""
-    return self.layout.roles[i]
-
-
 class _Exchange(NamedTuple):
   """What the compression branch returns (the warmup branch returns the state's values)."""
 
@@ -135,7 +123,7 @@ def _sent(hp: _Hyper, local, g, mean, scale, feedback):
   return hp.b1 * mean + (1.0 - hp.b1) * g.astype(F32) + _groups.feedback(local, scale, feedback)
 
 
-def _write_sent(hp: _Hyper, plan: _Plan, grads: list, state):
+def _write_sent(hp: _Hyper, plan: _groups.Plan, grads: list, state):
   """Stage 1, compression only: ``u`` of every compressed leaf, written over ``local_momentum``.
 
   ``u`` is stored before the exchange so that its scale and signs are read off
@@ -162,13 +150,13 @@ def _write_sent(hp: _Hyper, plan: _Plan, grads: list, state):
                       grads)
 
 
-def _exact_momenta(hp: _Hyper, plan: _Plan, grads: list, state):
+def _exact_momenta(hp: _Hyper, plan: _groups.Plan, grads: list, state):
   """The exact leaves' momenta :math:`\\beta_1 m + (1-\\beta_1) g`, concatenated (float32)."""
   old = _wire.message_exact(plan.layout, state.momentum_message)
   return hp.b1 * old + (1.0 - hp.b1) * _groups.exact(plan.layout, grads)
 
 
-def _compression(hp: _Hyper, plan: _Plan, grads: list, local, state) -> _Exchange:
+def _compression(hp: _Hyper, plan: _groups.Plan, grads: list, local, state) -> _Exchange:
   """The compression phase's communication: the 1-bit exchange of the momenta."""
   axes = plan.axes
   if axes.hierarchical:
@@ -191,7 +179,7 @@ def _no_exchange(state) -> _Exchange:
                    state.server_error, jnp.bool_(True), jnp.float32(0))
 
 
-def _hierarchical_exchange(hp: _Hyper, plan: _Plan, grads, state):
+def _hierarchical_exchange(hp: _Hyper, plan: _groups.Plan, grads, state):
   """Hierarchical: float32 mean of the momenta over the fast axis, then 1 bit over the slow one."""
   layout, axes = plan.layout, plan.axes
   bits = layout.bits
@@ -212,7 +200,7 @@ def _hierarchical_exchange(hp: _Hyper, plan: _Plan, grads, state):
           avg.server_error[None].astype(state.server_error.dtype), avg.finite)
 
 
-def _gradient_sum(plan: _Plan, grads):
+def _gradient_sum(plan: _groups.Plan, grads):
   """The float32 sum of the gradients over the data axis, and the factor that makes it the mean.
 
   One tuple all-reduce of the leaves (XLA's all-reduce combiner merges them),
@@ -235,7 +223,7 @@ def _gradient_sum(plan: _Plan, grads):
   return grads, 1.0
 
 
-def _warmup(hp: _Hyper, plan: _Plan, grads: list, state, count) -> _Moments:
+def _warmup(hp: _Hyper, plan: _groups.Plan, grads: list, state, count) -> _Moments:
   """The warmup: Adam on the mean gradient, the freeze decision, the finite flag.
 
   The finite flag is a plain sum of each mean-gradient leaf (a NaN or Inf
@@ -282,7 +270,7 @@ def _adam_moments(hp: _Hyper, total: list, scale, state, finite):
   return new_mu, new_nu
 
 
-def _step_bytes(plan: _Plan, *, compressed: bool) -> float:
+def _step_bytes(plan: _groups.Plan, *, compressed: bool) -> float:
   """Bytes one device sends over the slow (or only) axis in one step."""
   axes, layout = plan.axes, plan.layout
   if compressed:
@@ -291,7 +279,7 @@ def _step_bytes(plan: _Plan, *, compressed: bool) -> float:
   return _collective.allreduce_wire_bytes(size, axes.n_slow)
 
 
-def _freeze_message(hp: _Hyper, plan: _Plan, mu: list, local, gathered, scale):
+def _freeze_message(hp: _Hyper, plan: _groups.Plan, mu: list, local, gathered, scale):
   """Stage 3: at the freeze, the momentum moves into the error feedback; the message holds none of it.
 
   ``local_momentum`` becomes :math:`\beta_1 m` with scale 0, so its error
@@ -331,7 +319,7 @@ def _leaf_update(m, nu, frozen, bc1, bc2, floor, finite, hp: _Hyper):
                                zero_without_variance=frozen)
 
 
-def _updates(hp: _Hyper, plan: _Plan, grads, state, ex: _Exchange, mo: _Moments,
+def _updates(hp: _Hyper, plan: _groups.Plan, grads, state, ex: _Exchange, mo: _Moments,
              count) -> list:
   """The update of every leaf, from the new moments (warmup) or the new message (compression)."""
   finite = ex.finite & mo.finite
@@ -359,14 +347,12 @@ def _check_float_dtype(name, dtype):
   return dtype
 
 
-def _plan(tree, axis_name, model_axis, exact_below: int, caller: str) -> _Plan:
-  axes = _collective.resolve_axes(axis_name, model_axis, caller=caller)
-  # Hierarchical: every leaf is compressed (exact leaves travel only over a flat axis).
-  layout = _layout.wire_layout_for(tree, axes.num_devices, 0 if axes.hierarchical else exact_below)
-  return _Plan(axes, layout, jax.tree.structure(tree))
+def _plan(tree, axis_name, model_axis, exact_below: int, caller: str) -> _groups.Plan:
+  return _groups.plan(tree, _collective.resolve_axes(axis_name, model_axis, caller=caller),
+                      exact_below)
 
 
-def _buffer_shapes(plan: _Plan) -> dict:
+def _buffer_shapes(plan: _groups.Plan) -> dict:
   """The per-device buffers' shapes for this plan (None: the buffer does not exist)."""
   axes, layout = plan.axes, plan.layout
   return dict(
@@ -378,7 +364,7 @@ def _buffer_shapes(plan: _Plan) -> dict:
       momentum_message=(axes.num_devices, layout.row_bytes))
 
 
-def _init(params, plan: _Plan, moment_dtype, error_dtype) -> ScaleByOnebitAdamState:
+def _init(params, plan: _groups.Plan, moment_dtype, error_dtype) -> ScaleByOnebitAdamState:
   vary = lambda x: _collective.vary(x, plan.axes.device_axes)
   shapes = _buffer_shapes(plan)
   zeros = lambda shape, dtype: None if shape is None else vary(jnp.zeros(shape, dtype))
@@ -406,7 +392,7 @@ def _placeholder_state(params) -> ScaleByOnebitAdamState:
   return ScaleByOnebitAdamState(**{**fields, "mu": params, "nu": params})
 
 
-def _check_update(updates, state, axis_name, model_axis, exact_below) -> _Plan:
+def _check_update(updates, state, axis_name, model_axis, exact_below) -> _groups.Plan:
   """Validates the update's inputs; returns the plan of this update."""
   caller = "scale_by_onebit_adam.update"
   if not isinstance(state, ScaleByOnebitAdamState):
@@ -426,7 +412,7 @@ def _check_update(updates, state, axis_name, model_axis, exact_below) -> _Plan:
   return plan
 
 
-def _switch(hp: _Hyper, plan: _Plan, grads, state, count):
+def _switch(hp: _Hyper, plan: _groups.Plan, grads, state, count):
   """The phase switch: the warmup's or the compression's communication and state changes.
 
   ``frozen`` is replicated, so every device takes the same branches and only

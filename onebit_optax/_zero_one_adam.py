@@ -6,11 +6,11 @@ from typing import Any, Hashable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from optax._src import numerics
 
 from onebit_optax import _collective
+from onebit_optax import _groups
 from onebit_optax import _guards
 from onebit_optax import _layout
 from onebit_optax import _zero_one_steps as _steps
@@ -106,9 +106,7 @@ def _plan(tree, axis_name, exact_below: int, caller: str) -> _steps.Plan:
     raise ValueError(
         f"{caller}: axis_name={axis_name!r}: hierarchical averaging is not implemented for "
         "0/1 Adam yet; give the one data-parallel axis.")
-  axes = _collective.resolve_axes(axis_name, None, caller=caller)
-  return _steps.Plan(axes, _layout.wire_layout_for(tree, axes.num_devices, exact_below),
-                     jax.tree.structure(tree))
+  return _groups.plan(tree, _collective.resolve_axes(axis_name, None, caller=caller), exact_below)
 
 
 def _buffer_shapes(plan: _steps.Plan) -> dict:

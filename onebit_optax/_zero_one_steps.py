@@ -11,7 +11,6 @@ import numpy as np
 from onebit_optax import _bounded
 from onebit_optax import _collective
 from onebit_optax import _groups
-from onebit_optax import _layout
 from onebit_optax import _wire
 
 F32 = jnp.float32
@@ -42,20 +41,7 @@ class Hyper(NamedTuple):
   per_step_ema: bool = False  # variance_ema='per_step': v decays by b2 per step, not per update.
 
 
-class Plan(NamedTuple):
-  """What one update knows statically: the mesh, the wire layout, the tree."""
-
-  axes: _collective.Axes
-  layout: _layout.WireLayout
-  treedef: Any
-  decay: tuple = ()  # per leaf: gets weight decay (empty: every leaf).
-
-  def decays(self, i: int) -> bool:
-    return not self.decay or self.decay[i]
-
-  def kind(self, i: int):
-    """('c', k): leaf ``i`` is compressed leaf ``k``; ('e', j): exact leaf ``j``; ('z',): empty."""
-    return self.layout.roles[i]
+Plan = _groups.Plan
 
 
 class Schedule(NamedTuple):
