@@ -461,11 +461,13 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
 
   The step is a chain of stages, each a ``lax.cond`` on replicated scalars
   whose false branch passes its full-size buffers through (the form XLA
-  writes in place into the donated buffers; 1-bit Adam's switch): what is sent
-  (:func:`_write_sent`), the 1-bit exchange (:func:`_onebit_exchange`), the variance
-  step's moments, the 1-bit step's ``m``, the per-device buffers of local
-  steps. So a step computes only its own kind's formulas. The update is one
-  expression of the new moments for every kind (:func:`_updates`).
+  writes in place into the donated buffers; 1-bit Adam's switch): ``m`` out of
+  the message into ``mu`` (:func:`_materialized_mu`), what is sent
+  (:func:`_write_sent`), the 1-bit exchange (:func:`_onebit_exchange`), the
+  variance step's moments, a sync's ``m``, the per-device buffers of local
+  steps. So a step computes only its own kind's formulas. A compressed step's
+  ``m`` is its gathered message (the new ``momentum_message``). The update is
+  one expression of the new moments for every kind (:func:`_updates`).
   """
   g32 = [g.astype(F32) for g in grads]
   bc1 = _bounded.bias_correction(hp.b1, sched.count)

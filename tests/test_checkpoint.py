@@ -16,6 +16,7 @@ Subprocesses (another device count, two real processes) run under timeouts.
 """
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -236,6 +237,7 @@ def test_the_record_carries_the_format_version(uninterrupted):
   assert record["layout"]["buffers"]["worker_error"] is None
 
 
+
 def _restore(directory, tx=None, params=None, **kwargs):
   mesh = jax.make_mesh((8,), ("data",))
   params = run.init_params() if params is None else params
@@ -341,6 +343,11 @@ def test_a_checkpoint_of_the_old_flat_layout_is_refused(tmp_path):
                                       "onebit_format": 3}, old_state)
   with pytest.raises(ValueError, match=r"core v3(.|\n)*one array per leaf(.|\n)*init_sharded"):
     _restore(str(tmp_path / "v3"))
+  _fake_record(str(tmp_path / "zo4"), {"format": "onebit_optax.checkpoint/4", "onebit_format": 4,
+                                       "layout": {"optimizer": "zero_one_adam"}}, old_state)
+  with pytest.raises(ValueError, match=r"0/1 Adam state of checkpoint format 4(.|\n)*"
+                     r"momentum_message(.|\n)*init_sharded"):
+    _restore(str(tmp_path / "zo4"))
   _fake_record(str(tmp_path / "newer"), {"format": "onebit_optax.checkpoint/6",
                                          "onebit_format": 6}, old_state)
   with pytest.raises(ValueError, match="newer onebit-optax"):
@@ -606,9 +613,8 @@ def test_after_a_move_the_devices_send_the_mean_the_uninterrupted_run_sends(unin
   assert not np.allclose(sent(mesh4, zeroed, params4, tx4), want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_record_of_the_previous_format_3_writer_still_restores(uninterrupted, tmp_path):
-  """Records written before the model-parallel and hyperparameter fields existed."""
-  import shutil  # pylint: disable=g-import-not-at-top
+def test_a_record_of_an_earlier_writer_still_restores(uninterrupted, tmp_path):
+  """Format 4 (1-bit Adam's layout is the same in 5), without the model-parallel and hyperparameter fields."""
   directory = str(tmp_path / "ckpt")
   shutil.copytree(uninterrupted[0], directory)
   path = os.path.join(directory, str(run.COMPRESSION_SAVE), "onebit_optax", "metadata")
@@ -617,6 +623,7 @@ def test_a_record_of_the_previous_format_3_writer_still_restores(uninterrupted, 
   for key in ("model_shards", "mesh", "param_specs"):
     del record["layout"][key]
   del record["config"]
+  record.update(onebit_format=4, format="onebit_optax.checkpoint/4")
   with open(path, "w") as f:
     json.dump(record, f)
   _, _, params, opt_state, _ = _fresh_restart(directory, run.COMPRESSION_SAVE)
