@@ -63,6 +63,24 @@ def stacks(layout: _layout.WireLayout, sent: list) -> list:
   return [jnp.stack([sent[k].astype(F32) for k in span]) for span in layout.groups]
 
 
+def momenta(b1, layout: _layout.WireLayout, message: jax.Array, grads: list) -> list:
+  r"""Each device's momentum :math:`\beta_1 m + (1-\beta_1) g` of every group, :math:`m` decoded from ``message``.
+
+  What a compressed step of either optimizer sends before its error feedback
+  (:func:`feedback`): per group ``(1, leaves, *shape)``, float32, in the shape
+  of its per-device buffer (XLA writes that in place, a reshape of it not).
+  The gradients (``grads``, tree order) are stacked here, where they are read.
+  """
+  stacked = stacks(layout, [grads[i] for i in layout.compressed])
+  return [b1 * _wire.message_group(layout, message, g)[None] + (1.0 - b1) * s[None]
+          for g, s in enumerate(stacked)]
+
+
+def exact_momenta(b1, layout: _layout.WireLayout, message: jax.Array, grads: list) -> jax.Array:
+  r"""The exact leaves' momenta :math:`\beta_1 m + (1-\beta_1) g`, concatenated, :math:`m` read off ``message``."""
+  return b1 * _wire.message_exact(layout, message) + (1.0 - b1) * exact(layout, grads)
+
+
 def group_scale(scales: jax.Array, span: range, shape) -> jax.Array:
   """The scales of a group's leaves (``span`` of the per-leaf ``scales``), ``(leaves, 1, ...)``: broadcastable against the group."""
   return scales[span.start:span.stop].reshape((len(span),) + (1,) * len(shape))

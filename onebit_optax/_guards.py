@@ -15,7 +15,7 @@ from onebit_optax import _collective
 
 __all__ = ["check_decay_rates", "check_learning_rate", "check_nonnegative", "check_step_counts",
            "static_int", "check_mapped_region", "check_wrappers", "check_state_layout",
-           "check_local_gradients", "check_same_tree", "check_float_params", "is_empty", "no_work"]
+           "check_buffers", "check_local_gradients", "check_same_tree", "check_float_params", "is_empty", "no_work"]
 
 
 def _known(value) -> Optional[float]:

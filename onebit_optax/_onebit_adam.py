@@ -114,15 +114,6 @@ class _Moments(NamedTuple):
   wire_bytes: jax.Array
 
 
-def _sent(hp: _Hyper, local, g, mean, scale, feedback):
-  r"""What a device compresses: :math:`u = \beta_1 m + (1-\beta_1) g + e` (:func:`_groups.feedback`).
-
-  ``local`` is the last :math:`u'` (as stored) and ``scale`` its scale;
-  ``feedback`` is False after a skipped step (its :math:`u'` was not sent).
-  """
-  return hp.b1 * mean + (1.0 - hp.b1) * g.astype(F32) + _groups.feedback(local, scale, feedback)
-
-
 def _write_sent(hp: _Hyper, plan: _groups.Plan, grads: list, state):
   """Stage 1, compression only: ``u`` of every compressed leaf, written over ``local_momentum``.
 
@@ -135,25 +126,16 @@ def _write_sent(hp: _Hyper, plan: _groups.Plan, grads: list, state):
     return None
   layout = plan.layout
 
-  def sent(local, grads):
-    out = []  # (the gradients are stacked here, inside the branch: fused into u's writes)
-    stacks = _groups.stacks(layout, [grads[i] for i in layout.compressed])
-    for g, (span, u, g_stack) in enumerate(zip(layout.groups, local, stacks)):
-      # (in u's own shape, (1, leaves, *shape): XLA writes it in place, a reshape of it not)
-      new = _sent(hp, u, g_stack[None], _wire.message_group(layout, state.momentum_message, g)[None],
-                  _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None],
-                  state.feedback_valid)
-      out.append(new.astype(u.dtype))
+  def sent(local, grads):  # u = b1 m + (1 - b1) g + e, e formed from the stored u' (_groups.feedback)
+    out = []
+    momenta = _groups.momenta(hp.b1, layout, state.momentum_message, grads)
+    for g, (span, u, m) in enumerate(zip(layout.groups, local, momenta)):
+      scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
+      out.append((m + _groups.feedback(u, scale, state.feedback_valid)).astype(u.dtype))
     return tuple(out)
 
   return jax.lax.cond(state.frozen, sent, lambda local, grads: local, state.local_momentum,
                       grads)
-
-
-def _exact_momenta(hp: _Hyper, plan: _groups.Plan, grads: list, state):
-  """The exact leaves' momenta :math:`\\beta_1 m + (1-\\beta_1) g`, concatenated (float32)."""
-  old = _wire.message_exact(plan.layout, state.momentum_message)
-  return hp.b1 * old + (1.0 - hp.b1) * _groups.exact(plan.layout, grads)
 
 
 def _compression(hp: _Hyper, plan: _groups.Plan, grads: list, local, state) -> _Exchange:
@@ -164,7 +146,7 @@ def _compression(hp: _Hyper, plan: _groups.Plan, grads: list, local, state) -> _
     scales = state.worker_scale
   else:
     rows, scales = _groups.rows(plan.layout, [u[0] for u in local],
-                                _exact_momenta(hp, plan, grads, state))
+                                _groups.exact_momenta(hp.b1, plan.layout, state.momentum_message, grads))
     gathered, server_error, finite = _collective.onebit_exchange(
         rows, state.server_error, plan.layout, axes, keep_if_nonfinite=hp.skip_nonfinite)
     scales, worker_error = _collective.vary(scales[None], axes.device_axes), state.worker_error

@@ -215,10 +215,10 @@ def _decay_flags(mask, params, treedef) -> tuple:
 
 def _update(updates, state, params, hp: _steps.Hyper, axis_name):
   plan = _check_update(updates, state, params, hp, axis_name)
-  if hp.mask is not None and params is not None:
-    plan = plan._replace(decay=_decay_flags(hp.mask, params, plan.treedef))
   if _guards._known(hp.weight_decay) == 0.0:  # no decay term: the step need not read params for it
     plan = plan._replace(decay=(False,) * plan.treedef.num_leaves)
+  elif hp.mask is not None and params is not None:
+    plan = plan._replace(decay=_decay_flags(hp.mask, params, plan.treedef))
   grads = jax.tree.leaves(updates)
   params = None if params is None else jax.tree.leaves(params)
   sched = _schedule(hp, state)

@@ -92,9 +92,10 @@ def moved(old: ScaleByZeroOneAdamState, new: ScaleByZeroOneAdamState, mesh: Mesh
   The per-device error feedback (``local_sent``, ``worker_scale``,
   ``server_error``) is laid out for the new chunks and restarts from zero, as it
   does after the freeze. A first moment held in the momentum message (whose
-  rows are the old chunks) is decoded into ``mu``, exactly. Right after a sync every device's momentum is the
-  synced one, so ``local_mu`` is ``mu`` on every new device; between two syncs
-  each device's progress has no owner on another device count: refused.
+  rows are the old chunks) is decoded into ``mu``, exactly. Right after a sync
+  every device's momentum is the synced one, so ``local_mu`` is ``mu`` on every
+  new device; between two syncs each device's progress has no owner on another
+  device count: refused.
   """
   since = int(np.asarray(old.since_sync).reshape(-1)[0])
   if old.accumulator is not None and since != 0:

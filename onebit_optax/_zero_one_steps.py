@@ -11,7 +11,6 @@ import numpy as np
 from onebit_optax import _bounded
 from onebit_optax import _collective
 from onebit_optax import _groups
-from onebit_optax import _wire
 
 F32 = jnp.float32
 
@@ -254,24 +253,22 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
   def values(source: str):
     def branch(local, g32):
       if source == "message":  # m decoded group by group, as 1-bit Adam's compression step
-        stacked = lambda g, span: _momentum(
-            hp, _wire.message_group(layout, state.momentum_message, g),
-            jnp.stack([g32[layout.compressed[k]] for k in span]))
-        old_exact = _wire.message_exact(layout, state.momentum_message)
-        exact = _momentum(hp, old_exact, _groups.exact(layout, g32))
+        momenta = _groups.momenta(hp.b1, layout, state.momentum_message, g32)
+        stacked = lambda g, span: momenta[g]
+        exact = _groups.exact_momenta(hp.b1, layout, state.momentum_message, g32)
       else:
         if source == "mu":
           value = lambda i: _momentum(hp, old.mu[i], g32[i])
         else:
           denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2)
           value = lambda i: _outgoing_leaf(hp, plan, sched, old, i, g32[i], denominators, bc1)
-        stacked = lambda g, span: jnp.stack([value(layout.compressed[k]) for k in span])
+        stacked = lambda g, span: jnp.stack([value(layout.compressed[k]) for k in span])[None]
         exact = _groups.exact(layout, {i: value(i) for i in layout.exact})
       valid = jnp.logical_not(sched.fresh) if source == "sync" else True
       groups = []
       for g, (span, u) in enumerate(zip(layout.groups, local)):
         scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
-        groups.append((stacked(g, span)[None] + _groups.feedback(u, scale, valid)).astype(u.dtype))
+        groups.append((stacked(g, span) + _groups.feedback(u, scale, valid)).astype(u.dtype))
       return tuple(groups), vary(exact)
     return branch
 
