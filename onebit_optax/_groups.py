@@ -63,16 +63,58 @@ def stacks(layout: _layout.WireLayout, sent: list) -> list:
   return [jnp.stack([sent[k].astype(F32) for k in span]) for span in layout.groups]
 
 
-def momenta(b1, layout: _layout.WireLayout, message: jax.Array, grads: list) -> list:
+def scalars(pred, values) -> tuple:
+  """The int32 ``values`` (static) as scalars the step computes: themselves where ``pred``, 0 where not.
+
+  How a leaf's offsets (where its signs start in the message, where its
+  scalars sit in a per-leaf vector) reach the leaf's fused kernel: as
+  operands, outputs of one conditional. XLA:CPU compiles one kernel per
+  distinct fused computation; a kernel that read its leaf's piece of a
+  shared buffer at a constant offset would be distinct for every leaf, and
+  the program would grow with the leaves. At computed offsets the leaves
+  (and groups) of one shape share their kernels. ``pred`` says when the
+  offsets are used (a message is read, the variance is floored); 0 stands in
+  otherwise.
+  """
+  values = [int(v) for v in values]
+  return jax.lax.cond(pred, lambda: tuple(jnp.int32(v) for v in values),
+                      lambda: tuple(jnp.int32(0) for _ in values))
+
+
+def at_index(vector: jax.Array, index) -> jax.Array:
+  """``vector[index]`` at a computed index (:func:`scalars`)."""
+  return jax.lax.dynamic_index_in_dim(vector, index, keepdims=False)
+
+
+class Offsets(NamedTuple):
+  """Where a step reads each leaf's pieces: int32 scalars the step computes (:func:`scalars`)."""
+
+  blocks: tuple  # per compressed leaf: the block of the message where its signs start.
+  groups: tuple  # per group: its first leaf's position among the compressed leaves.
+  leaves: tuple  # per leaf: its position in the tree (in per-leaf vectors: the floors).
+
+
+def offsets(layout: _layout.WireLayout, reading, floored) -> Offsets:
+  """The :class:`Offsets` of ``layout``: the message's where ``reading``, the leaves' where ``floored``."""
+  firsts = _wire.first_blocks(layout)
+  message = scalars(reading, list(firsts) + [span.start for span in layout.groups])
+  return Offsets(message[:len(firsts)], message[len(firsts):],
+                 scalars(floored, range(len(layout.shapes))))
+
+
+def momenta(b1, layout: _layout.WireLayout, message: jax.Array, grads: list,
+            at: Offsets | None = None) -> list:
   r"""Each device's momentum :math:`\beta_1 m + (1-\beta_1) g` of every group, :math:`m` decoded from ``message``.
 
   What a compressed step of either optimizer sends before its error feedback
   (:func:`feedback`): per group ``(1, leaves, *shape)``, float32, in the shape
   of its per-device buffer (XLA writes that in place, a reshape of it not).
   The gradients (``grads``, tree order) are stacked here, where they are read.
+  ``at``: where to read ``message`` (None: constant offsets).
   """
   stacked = stacks(layout, [grads[i] for i in layout.compressed])
-  return [b1 * _wire.message_group(layout, message, g)[None] + (1.0 - b1) * s[None]
+  first = lambda g: None if at is None else at.blocks[layout.groups[g].start]
+  return [b1 * _wire.message_group(layout, message, g, first(g))[None] + (1.0 - b1) * s[None]
           for g, s in enumerate(stacked)]
 
 
@@ -81,9 +123,14 @@ def exact_momenta(b1, layout: _layout.WireLayout, message: jax.Array, grads: lis
   return b1 * _wire.message_exact(layout, message) + (1.0 - b1) * exact(layout, grads)
 
 
-def group_scale(scales: jax.Array, span: range, shape) -> jax.Array:
-  """The scales of a group's leaves (``span`` of the per-leaf ``scales``), ``(leaves, 1, ...)``: broadcastable against the group."""
-  return scales[span.start:span.stop].reshape((len(span),) + (1,) * len(shape))
+def group_scale(scales: jax.Array, span: range, shape, start=None) -> jax.Array:
+  """The scales of a group's leaves (``span`` of the per-leaf ``scales``), ``(leaves, 1, ...)``: broadcastable against the group.
+
+  ``start``: ``span.start`` as a computed scalar (:func:`scalars`), or None.
+  """
+  start = span.start if start is None else start
+  part = jax.lax.dynamic_slice_in_dim(scales, start, len(span))
+  return part.reshape((len(span),) + (1,) * len(shape))
 
 
 def feedback(sent: jax.Array, scale, valid=True) -> jax.Array:
@@ -115,19 +162,20 @@ def exact(layout: _layout.WireLayout, leaves) -> jax.Array:
   return jnp.concatenate(flat) if flat else jnp.zeros((0,), F32)
 
 
-def mean_leaves(layout: _layout.WireLayout, gathered: jax.Array) -> list:
+def mean_leaves(layout: _layout.WireLayout, gathered: jax.Array,
+                at: Offsets | None = None) -> list:
   """Every leaf (tree order) of the mean the gathered 1-bit messages hold, float32.
 
-  Decoded group by group (one slice and unpack per group), then cut into
-  leaves; the exact leaves are read off their floats; an empty leaf is zeros.
+  Each compressed leaf decoded from its blocks (at ``at.blocks``; None:
+  constant offsets), which XLA fuses into the pass that reads it; the
+  exact leaves are read off their floats; an empty leaf is zeros.
   """
-  groups = [_wire.message_group(layout, gathered, g) for g in range(len(layout.groups))]
   floats = _wire.message_exact(layout, gathered)
   out = []
   for i, (role, shape) in enumerate(zip(layout.roles, layout.shapes)):
     if role[0] == "c":
-      g, j = layout.group_of[role[1]]
-      out.append(groups[g][j])
+      k = role[1]
+      out.append(_wire.message_leaf(layout, gathered, k, shape, None if at is None else at.blocks[k]))
     elif role[0] == "e":
       offset = layout.exact_offsets[role[1]]
       out.append(floats[offset:offset + layout.sizes[i]].reshape(shape))

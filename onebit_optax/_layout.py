@@ -250,11 +250,6 @@ class WireLayout:
     return self.shapes[self.compressed[self.groups[g].start]]
 
   @functools.cached_property
-  def group_of(self) -> tuple:
-    """Per position ``k`` in :attr:`compressed`: ``(group, index in the group)``."""
-    return tuple((g, k - r.start) for g, r in enumerate(self.groups) for k in r)
-
-  @functools.cached_property
   def exact(self) -> tuple:
     """Indices of the non-empty leaves sent as float32."""
     return tuple(i for i, s in enumerate(self.sizes) if 0 < s < self.exact_below)
@@ -313,20 +308,6 @@ class WireLayout:
     out = np.full(self.num_devices * self.segments, len(self.compressed), np.int32)
     out[tables.wire_segment] = tables.leaf_of_block
     return out
-
-  @functools.cached_property
-  def group_block_scale_index(self) -> tuple:
-    """Per group: (leaves, blocks) int32 wire segment of each block of each of its leaves."""
-    return tuple(np.stack([self.block_scale_index[k] for k in r]) for r in self.groups)
-
-  @functools.cached_property
-  def block_scale_index(self) -> tuple:
-    """Per compressed leaf: (blocks,) int32 wire segment of each of its blocks."""
-    tables, out = self.bits.tables, []
-    for k, (offset, size) in enumerate(zip(self.bits.offsets, self.bits.sizes)):
-      first = offset // BLOCK
-      out.append(tables.wire_segment[first:first + -(-size // BLOCK)])
-    return tuple(out)
 
 
 @functools.lru_cache(maxsize=64)

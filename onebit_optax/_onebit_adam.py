@@ -114,7 +114,7 @@ class _Moments(NamedTuple):
   wire_bytes: jax.Array
 
 
-def _write_sent(hp: _Hyper, plan: _groups.Plan, grads: list, state):
+def _write_sent(hp: _Hyper, plan: _groups.Plan, grads: list, state, at: _groups.Offsets):
   """Stage 1, compression only: ``u`` of every compressed leaf, written over ``local_momentum``.
 
   ``u`` is stored before the exchange so that its scale and signs are read off
@@ -128,9 +128,10 @@ def _write_sent(hp: _Hyper, plan: _groups.Plan, grads: list, state):
 
   def sent(local, grads):  # u = b1 m + (1 - b1) g + e, e formed from the stored u' (_groups.feedback)
     out = []
-    momenta = _groups.momenta(hp.b1, layout, state.momentum_message, grads)
+    momenta = _groups.momenta(hp.b1, layout, state.momentum_message, grads, at)
     for g, (span, u, m) in enumerate(zip(layout.groups, local, momenta)):
-      scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
+      scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g),
+                                  at.groups[g])[None]
       out.append((m + _groups.feedback(u, scale, state.feedback_valid)).astype(u.dtype))
     return tuple(out)
 
@@ -138,11 +139,12 @@ def _write_sent(hp: _Hyper, plan: _groups.Plan, grads: list, state):
                       grads)
 
 
-def _compression(hp: _Hyper, plan: _groups.Plan, grads: list, local, state) -> _Exchange:
+def _compression(hp: _Hyper, plan: _groups.Plan, grads: list, local, state, at) -> _Exchange:
   """The compression phase's communication: the 1-bit exchange of the momenta."""
   axes = plan.axes
   if axes.hierarchical:
-    gathered, worker_error, server_error, finite = _hierarchical_exchange(hp, plan, grads, state)
+    gathered, worker_error, server_error, finite = _hierarchical_exchange(hp, plan, grads, state,
+                                                                          at)
     scales = state.worker_scale
   else:
     rows, scales = _groups.rows(plan.layout, [u[0] for u in local],
@@ -161,11 +163,11 @@ def _no_exchange(state) -> _Exchange:
                    state.server_error, jnp.bool_(True), jnp.float32(0))
 
 
-def _hierarchical_exchange(hp: _Hyper, plan: _groups.Plan, grads, state):
+def _hierarchical_exchange(hp: _Hyper, plan: _groups.Plan, grads, state, at):
   """Hierarchical: float32 mean of the momenta over the fast axis, then 1 bit over the slow one."""
   layout, axes = plan.layout, plan.axes
   bits = layout.bits
-  old = _groups.mean_leaves(layout, state.momentum_message)
+  old = _groups.mean_leaves(layout, state.momentum_message, at)
   momenta = [hp.b1 * old[i] + (1.0 - hp.b1) * grads[i].astype(F32) for i in layout.compressed]
   part = _collective._fast_mean_slice(bits.flatten(momenta), axes.fast, axes.n_fast)
   error, server = (state.worker_error[0].astype(F32), state.server_error[0].astype(F32))
@@ -302,13 +304,13 @@ def _leaf_update(m, nu, frozen, bc1, bc2, floor, finite, hp: _Hyper):
 
 
 def _updates(hp: _Hyper, plan: _groups.Plan, grads, state, ex: _Exchange, mo: _Moments,
-             count) -> list:
+             count, at: _groups.Offsets) -> list:
   """The update of every leaf, from the new moments (warmup) or the new message (compression)."""
   finite = ex.finite & mo.finite
   bc1 = _bounded.bias_correction(hp.b1, count)
   bc2 = _bounded.bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
   layout, out = plan.layout, []
-  means = _groups.mean_leaves(layout, ex.gathered)
+  means = _groups.mean_leaves(layout, ex.gathered, at)
   sizes = np.maximum(np.asarray(layout.sizes, np.float32), 1.0)  # (one division for all leaves)
   floors = hp.variance_floor * mo.nu_l1 / (jnp.asarray(sizes) * bc2)
   for i, g in enumerate(grads):
@@ -316,7 +318,7 @@ def _updates(hp: _Hyper, plan: _groups.Plan, grads, state, ex: _Exchange, mo: _M
       out.append(jnp.zeros(jnp.shape(g), g.dtype))  # replicated, as every other update
       continue
     mean = jnp.where(state.frozen, means[i], mo.mu[i].astype(F32))
-    floor = floors[i]
+    floor = _groups.at_index(floors, at.leaves[i])
     out.append(_leaf_update(mean, mo.nu[i].astype(F32), state.frozen, bc1, bc2, floor,
                             finite, hp).astype(g.dtype))
   return out
@@ -394,7 +396,7 @@ def _check_update(updates, state, axis_name, model_axis, exact_below) -> _groups
   return plan
 
 
-def _switch(hp: _Hyper, plan: _groups.Plan, grads, state, count):
+def _switch(hp: _Hyper, plan: _groups.Plan, grads, state, count, at: _groups.Offsets):
   """The phase switch: the warmup's or the compression's communication and state changes.
 
   ``frozen`` is replicated, so every device takes the same branches and only
@@ -405,9 +407,9 @@ def _switch(hp: _Hyper, plan: _groups.Plan, grads, state, count):
   donated buffers; with the pass-through as the true branch, or several kinds
   of results in one cond, every full-size result got a copy.
   """
-  local = _write_sent(hp, plan, grads, state)
+  local = _write_sent(hp, plan, grads, state, at)
   exchange = jax.lax.cond(state.frozen,
-                          lambda g, u: _compression(hp, plan, g, u, state),
+                          lambda g, u: _compression(hp, plan, g, u, state, at),
                           lambda g, u: _no_exchange(state), grads, local)
   small = state._replace(mu=None, nu=None, local_momentum=None, server_error=None,
                          worker_error=None)
@@ -423,13 +425,14 @@ def _update(updates, state, hp: _Hyper, axis_name, model_axis):
   plan = _check_update(updates, state, axis_name, model_axis, hp.exact_below)
   count_inc = numerics.safe_increment(state.count)
   grads = jax.tree.leaves(updates)
-  local, ex, mo = _switch(hp, plan, grads, state, count_inc)
+  at = _groups.offsets(plan.layout, state.frozen, state.frozen)  # (the message, the floor: once frozen)
+  local, ex, mo = _switch(hp, plan, grads, state, count_inc, at)
   finite = ex.finite & mo.finite
   freeze_now = mo.frozen & jnp.logical_not(state.frozen)
   message, scale, local = jax.lax.cond(
       freeze_now, lambda u: _freeze_message(hp, plan, mo.mu, u, ex.gathered, ex.worker_scale),
       lambda u: (ex.gathered, ex.worker_scale, u), local)
-  updates = _updates(hp, plan, grads, state, ex, mo, count_inc)
+  updates = _updates(hp, plan, grads, state, ex, mo, count_inc, at)
   pick = lambda new, old: jnp.where(finite, new, old)
   unflatten = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)
   new_state = ScaleByOnebitAdamState(

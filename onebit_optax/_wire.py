@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from onebit_optax import _compressor
 from onebit_optax import _layout
 
 __all__ = ["leaf_signs", "leaf_rms", "group_signs", "group_rms", "rows", "message_leaf",
-           "message_group", "message_exact", "scales_to_bytes", "scales_from_bytes"]
+           "message_group", "message_exact", "first_blocks", "scales_to_bytes", "scales_from_bytes"]
 
 _BLOCK = _layout.BLOCK
 
@@ -85,42 +86,55 @@ def rows(layout: _layout.WireLayout, signs: list, leaf_scales: jax.Array,
   return jnp.concatenate(parts, axis=1)
 
 
-def message_leaf(layout: _layout.WireLayout, gathered: jax.Array, k: int, shape) -> jax.Array:
-  """Compressed leaf ``k`` (position in ``layout.compressed``) decoded from the gathered messages.
-
-  Elementwise from the packed bytes: XLA fuses the unpacking into the consumer.
-  """
-  bits = layout.bits
-  offset, size = bits.offsets[k], bits.sizes[k]
-  nblocks = -(-size // _BLOCK)
-  stream = gathered[:, :layout.chunk_bytes].reshape(-1)
-  packed = jax.lax.slice_in_dim(stream, offset // 8, offset // 8 + nblocks * _BLOCK // 8)
+def _stream_blocks(layout: _layout.WireLayout, gathered: jax.Array):
+  """The gathered sign stream as ``(blocks, 16)`` uint8 and the scale of each block ``(blocks,)``."""
+  stream = gathered[:, :layout.chunk_bytes].reshape(-1, _BLOCK // 8)
   scales = scales_from_bytes(
       gathered[:, layout.chunk_bytes:layout.chunk_bytes + 4 * layout.segments]).reshape(-1)
-  block_scale = scales[jnp.asarray(layout.block_scale_index[k])]
-  decoded = _compressor.sign_decompress(packed.reshape(nblocks, _BLOCK // 8), block_scale, _BLOCK)
-  return decoded.reshape(-1)[:size].reshape(shape)
+  return stream, scales[jnp.asarray(layout.bits.tables.wire_segment)]
 
 
-def message_group(layout: _layout.WireLayout, gathered: jax.Array, g: int) -> jax.Array:
+def _decoded(layout: _layout.WireLayout, gathered: jax.Array, start, nblocks: int) -> jax.Array:
+  """``nblocks`` blocks of the stream from block ``start`` decoded: ``(nblocks, 128)`` float32."""
+  stream, block_scales = _stream_blocks(layout, gathered)
+  packed = jax.lax.dynamic_slice_in_dim(stream, start, nblocks)
+  scale = jax.lax.dynamic_slice_in_dim(block_scales, start, nblocks)
+  return _compressor.sign_decompress(packed, scale, _BLOCK)
+
+
+def first_blocks(layout: _layout.WireLayout) -> np.ndarray:
+  """(compressed leaves,) int32: the stream block at which each compressed leaf's signs start."""
+  return np.asarray(layout.bits.offsets, np.int64).astype(np.int32) // _BLOCK
+
+
+def message_leaf(layout: _layout.WireLayout, gathered: jax.Array, k: int, shape,
+                 start=None) -> jax.Array:
+  """Compressed leaf ``k`` (position in ``layout.compressed``) decoded from the gathered messages.
+
+  Elementwise from the packed bytes: XLA fuses the unpacking into the
+  consumer. ``start``: the leaf's first block (an int32 scalar the step
+  computes, see :func:`_groups.scalars`; None: :func:`first_blocks`).
+  """
+  size = layout.bits.sizes[k]
+  start = first_blocks(layout)[k] if start is None else start
+  return _decoded(layout, gathered, start, -(-size // _BLOCK)).reshape(-1)[:size].reshape(shape)
+
+
+def message_group(layout: _layout.WireLayout, gathered: jax.Array, g: int,
+                  start=None) -> jax.Array:
   """Group ``g`` (``layout.groups[g]``) decoded from the gathered messages: ``(leaves, *shape)``.
 
   The group's bits are one contiguous run of the stream, each leaf on whole
   blocks: one slice, one unpack, one scale per block (its wire segment's).
+  ``start``: as for :func:`message_leaf`, the group's first leaf's.
   """
-  bits, span = layout.bits, layout.groups[g]
-  shape = layout.group_shape(g)
-  size = bits.sizes[span.start]
+  span = layout.groups[g]
+  size = layout.bits.sizes[span.start]
   nblocks = -(-size // _BLOCK)
-  start = bits.offsets[span.start] // 8
-  stream = gathered[:, :layout.chunk_bytes].reshape(-1)
-  packed = jax.lax.slice_in_dim(stream, start, start + len(span) * nblocks * _BLOCK // 8)
-  scales = scales_from_bytes(
-      gathered[:, layout.chunk_bytes:layout.chunk_bytes + 4 * layout.segments]).reshape(-1)
-  block_scale = scales[jnp.asarray(layout.group_block_scale_index[g])]
-  decoded = _compressor.sign_decompress(
-      packed.reshape(len(span), nblocks, _BLOCK // 8), block_scale, _BLOCK)
-  return decoded.reshape(len(span), -1)[:, :size].reshape((len(span),) + tuple(shape))
+  start = first_blocks(layout)[span.start] if start is None else start
+  decoded = _decoded(layout, gathered, start, len(span) * nblocks)
+  shape = (len(span),) + tuple(layout.group_shape(g))
+  return decoded.reshape(len(span), -1)[:, :size].reshape(shape)
 
 
 def message_exact(layout: _layout.WireLayout, gathered: jax.Array) -> jax.Array:

@@ -51,6 +51,7 @@ class Schedule(NamedTuple):
   fresh: jax.Array  # () bool: the first local-phase step (the error feedback restarts).
   count: jax.Array  # () int32: this step's number (1 for the first).
   lr: jax.Array  # () float32: this step's learning rate (local steps; else 0).
+  at: Any = None  # _groups.Offsets: where this step reads each leaf's pieces (set by step()).
 
 
 class Result(NamedTuple):
@@ -87,11 +88,11 @@ def exchange(plan: Plan, sent: list, exact, server_error, hp: Hyper):
   return gathered, _collective.vary(scales[None], plan.axes.device_axes), server_error, finite
 
 
-def floors(hp: Hyper, plan: Plan, nu_l1, bc2) -> list:
+def floors(hp: Hyper, plan: Plan, nu_l1, bc2, at: _groups.Offsets) -> list:
   """Per leaf: the floor on the bias-corrected variance, ``variance_floor`` x the leaf's mean."""
   sizes = np.maximum(np.asarray(plan.layout.sizes, np.float32), 1.0)
   floor = hp.variance_floor * nu_l1 / (jnp.asarray(sizes) * bc2)  # one division for all leaves
-  return [floor[i] for i in range(len(sizes))]
+  return [_groups.at_index(floor, at.leaves[i]) for i in range(len(sizes))]
 
 
 def direction(hp: Hyper, m, nu, bc1, bc2, floor, bounded, finite):
@@ -120,9 +121,9 @@ def leaves_or_none(tree):
   return None if tree is None else jax.tree.leaves(tree)
 
 
-def _preconditioners(hp: Hyper, plan: Plan, nus, nu_l1, bc2) -> list:
+def _preconditioners(hp: Hyper, plan: Plan, nus, nu_l1, bc2, at: _groups.Offsets) -> list:
   r"""Per leaf, the frozen preconditioner's denominator :math:`\sqrt{\max(\hat v, f\bar{\hat v})} + \epsilon`."""
-  floor = floors(hp, plan, nu_l1, bc2)
+  floor = floors(hp, plan, nu_l1, bc2, at)
   return [jnp.sqrt(jnp.maximum(v / bc2, floor[i])) + hp.eps for i, v in enumerate(nus)]
 
 
@@ -253,21 +254,22 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
   def values(source: str):
     def branch(local, g32):
       if source == "message":  # m decoded group by group, as 1-bit Adam's compression step
-        momenta = _groups.momenta(hp.b1, layout, state.momentum_message, g32)
+        momenta = _groups.momenta(hp.b1, layout, state.momentum_message, g32, sched.at)
         stacked = lambda g, span: momenta[g]
         exact = _groups.exact_momenta(hp.b1, layout, state.momentum_message, g32)
       else:
         if source == "mu":
           value = lambda i: _momentum(hp, old.mu[i], g32[i])
         else:
-          denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2)
+          denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2, sched.at)
           value = lambda i: _outgoing_leaf(hp, plan, sched, old, i, g32[i], denominators, bc1)
         stacked = lambda g, span: jnp.stack([value(layout.compressed[k]) for k in span])[None]
         exact = _groups.exact(layout, {i: value(i) for i in layout.exact})
       valid = jnp.logical_not(sched.fresh) if source == "sync" else True
       groups = []
       for g, (span, u) in enumerate(zip(layout.groups, local)):
-        scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
+        scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g),
+                                    sched.at.groups[g])[None]
         groups.append((stacked(g, span) + _groups.feedback(u, scale, valid)).astype(u.dtype))
       return tuple(groups), vary(exact)
     return branch
@@ -326,7 +328,7 @@ def _materialized_mu(plan: Plan, state, sched: Schedule, mu: list) -> list:
   through.
   """
   def decode(mu):
-    means = _groups.mean_leaves(plan.layout, state.momentum_message)
+    means = _groups.mean_leaves(plan.layout, state.momentum_message, sched.at)
     return [m if plan.kind(i)[0] == "z" else means[i] for i, m in enumerate(mu)]
 
   return jax.lax.cond(state.mu_in_message & (sched.kind != COMPRESSED), decode, lambda mu: mu, mu)
@@ -338,8 +340,8 @@ def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, 
   lr_sum = state.lr_sum + sched.lr
 
   def synced(mu):
-    means = _groups.mean_leaves(plan.layout, gathered)
-    denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2)
+    means = _groups.mean_leaves(plan.layout, gathered, sched.at)
+    denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2, sched.at)
     restarted = lambda i: _momentum_after_sync(hp, plan, i, means[i], denominators[i], bc1,
                                                lr_sum, old.params)
     if hp.local_steps is None:  # every step is a sync, of learning rate 1: lr_sum is 1
@@ -365,8 +367,8 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, nu
   """
   is_var = sched.kind == VARIANCE
   bc2_here = jnp.where(is_var, v_correction(hp, state.variance_updates + 1, sched.count), bc2)
-  bounded = jnp.where(is_var, state.variance_updates < state.count, True)
-  floor = floors(hp, plan, nu_l1, bc2_here)
+  bounded = _bounded_now(state, sched)
+  floor = floors(hp, plan, nu_l1, bc2_here, sched.at)
   decay_at_zero = sched.kind != LOCAL
   if hp.local_steps is None:
     factor = None
@@ -374,7 +376,7 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, nu
     lr_sum = state.lr_sum + sched.lr
     factor = jnp.where(sched.kind == LOCAL, jnp.where(sched.sync, -lr_sum, 0.0), -sched.lr)
   is_compressed = sched.kind == COMPRESSED  # (m: the new message, decoded leaf by leaf)
-  means = _groups.mean_leaves(plan.layout, gathered)
+  means = _groups.mean_leaves(plan.layout, gathered, sched.at)
   out = []
   for i, (m, v) in enumerate(zip(mu, nu)):
     if plan.kind(i)[0] == "z":
@@ -389,6 +391,11 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, nu
   return out
 
 
+def _bounded_now(state, sched: Schedule) -> jax.Array:
+  """The step is floored and clipped: every step but a variance step before any compressed one."""
+  return jnp.where(sched.kind == VARIANCE, state.variance_updates < state.count, True)
+
+
 def _local_step(hp: Hyper, plan: Plan, state, sched: Schedule, g32, old: _Old, bc1, bc2):
   """A local step's ``local_mu`` and ``accumulator``: this device's own momentum and progress.
 
@@ -399,7 +406,7 @@ def _local_step(hp: Hyper, plan: Plan, state, sched: Schedule, g32, old: _Old, b
     return None, None
 
   def local(local_mu, acc):
-    denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2)
+    denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2, sched.at)
     new_mu, new_acc = [], []
     for i, (g, lm, a) in enumerate(zip(g32, local_mu, acc)):
       # (in the buffers' own shape, (1, *shape): a fusion writing through a reshape is not in place)
@@ -467,6 +474,8 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   one expression of the new moments for every kind (:func:`_updates`).
   """
   g32 = [g.astype(F32) for g in grads]
+  sched = sched._replace(at=_groups.offsets(plan.layout, (sched.kind != VARIANCE) | state.mu_in_message,
+                                            _bounded_now(state, sched)))
   bc1 = _bounded.bias_correction(hp.b1, sched.count)
   bc2 = v_correction(hp, state.variance_updates, state.variance_step)  # v held: not a variance step
   old = _Old(jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), leaves_or_none(state.local_mu),
