@@ -102,19 +102,19 @@ def offsets(layout: _layout.WireLayout, reading, floored) -> Offsets:
                  scalars(floored, range(len(layout.shapes))))
 
 
-def momenta(b1, layout: _layout.WireLayout, message: jax.Array, grads: list,
-            at: Offsets | None = None) -> list:
+def momenta(b1, layout: _layout.WireLayout, message: jax.Array, grads: list) -> list:
   r"""Each device's momentum :math:`\beta_1 m + (1-\beta_1) g` of every group, :math:`m` decoded from ``message``.
 
   What a compressed step of either optimizer sends before its error feedback
   (:func:`feedback`): per group ``(1, leaves, *shape)``, float32, in the shape
   of its per-device buffer (XLA writes that in place, a reshape of it not).
   The gradients (``grads``, tree order) are stacked here, where they are read.
-  ``at``: where to read ``message`` (None: constant offsets).
+  Read at constant offsets: each group's kernel is its own (groups are few),
+  and a full-size pass that reads at a computed offset measured slower
+  (:func:`scalars`).
   """
   stacked = stacks(layout, [grads[i] for i in layout.compressed])
-  first = lambda g: None if at is None else at.blocks[layout.groups[g].start]
-  return [b1 * _wire.message_group(layout, message, g, first(g))[None] + (1.0 - b1) * s[None]
+  return [b1 * _wire.message_group(layout, message, g)[None] + (1.0 - b1) * s[None]
           for g, s in enumerate(stacked)]
 
 

@@ -109,10 +109,10 @@ def test_zero_one_adam_grows_no_faster_than_adam(adam_growth):
 # kernels: 63 kernels for 20 leaves and for 200. The optimizers read each leaf's piece of
 # the shared message (and its floor, its scale) at offsets the step computes
 # (``_groups.offsets``), so their leaves and groups of one shape share kernels too.
-# Measured on 2 devices (jax 0.10.2): 1-bit Adam 246 kernels at 20 leaves, 359 at 200
-# (were 266 and 549 with constant offsets): what grows is the new group sizes (10 leaves of
-# a shape are groups of 8 and 2, where 1 leaf was a group of 1). 0/1 Adam 336 at 20 and
-# 351 at 60 (were 314 and 430).
+# Only the momenta a compressed step sends read their group's piece at a constant offset
+# (one kernel a group). Measured on 2 devices (jax 0.10.2): 1-bit Adam 246 kernels at 20
+# leaves, 359 at 200 (were 266 and 549 with constant offsets): what grows is mostly the new
+# group sizes (10 leaves of a shape are groups of 8 and 2, where 1 leaf was a group of 1).
 
 
 def test_adam_compiles_one_kernel_per_shape():
@@ -131,5 +131,8 @@ def test_more_groups_of_the_same_shapes_add_no_kernels(make_tx):
   # 8 and 16 leaves of each shape: one group of GROUP_LEAVES per shape, then two alike.
   per_shape = _layout.GROUP_LEAVES
   few, many = _kernels(make_tx, per_shape * len(SHAPES)), _kernels(make_tx, 2 * per_shape * len(SHAPES))
-  # (at most one a shape: the per-shape sums, one variadic reduction of all its leaves)
-  assert many <= few + len(SHAPES), (few, many)
+  # One more a group (the momenta a compressed step sends: a full-size pass that reads its
+  # group's piece of the message at a constant offset, measured faster than at a computed
+  # one) and one a shape (the per-shape sums: one variadic reduction of all its leaves).
+  # Measured: 1-bit Adam 245 -> 265, 0/1 Adam 351 -> 371 (2 devices, jax 0.10.2).
+  assert many <= few + 2 * len(SHAPES), (few, many)
