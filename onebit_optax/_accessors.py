@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from onebit_optax import _layout
-from onebit_optax import _wire
+from onebit_optax import _groups
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
 
@@ -97,17 +97,13 @@ def moments(opt_state, params):
   if message.ndim == 3:  # pmap: one copy per device
     mu, nu, message, scale, in_message = ([x[0] for x in mu], [x[0] for x in nu], message[0],
                                           scale[0], in_message[0])
-  shapes = _check_shapes(nu, params)
+  _check_shapes(nu, params)
   treedef = jax.tree.structure(params)
   mu, nu = [x.astype(jnp.float32) for x in mu], [x.astype(jnp.float32) for x in nu]
   if bool(in_message):
     layout = _layout_of(params, message, scale.shape[-1])
-    exact = _wire.message_exact(layout, message)
-    for k, i in enumerate(layout.compressed):
-      mu[i] = _wire.message_leaf(layout, message, k, shapes[i])
-    for j, i in enumerate(layout.exact):
-      offset = layout.exact_offsets[j]
-      mu[i] = exact[offset:offset + layout.sizes[i]].reshape(shapes[i])
+    means = _groups.mean_leaves(layout, message)
+    mu = [means[i] if size else m for i, (m, size) in enumerate(zip(mu, layout.sizes))]
   return jax.tree.unflatten(treedef, mu), jax.tree.unflatten(treedef, nu)
 
 

@@ -114,7 +114,8 @@ def momenta(b1, layout: _layout.WireLayout, message: jax.Array, grads: list) -> 
   (:func:`scalars`).
   """
   stacked = stacks(layout, [grads[i] for i in layout.compressed])
-  return [b1 * _wire.message_group(layout, message, g)[None] + (1.0 - b1) * s[None]
+  signs = _wire.stream(layout, message)
+  return [b1 * _wire.message_group(layout, signs, g)[None] + (1.0 - b1) * s[None]
           for g, s in enumerate(stacked)]
 
 
@@ -171,11 +172,12 @@ def mean_leaves(layout: _layout.WireLayout, gathered: jax.Array,
   exact leaves are read off their floats; an empty leaf is zeros.
   """
   floats = _wire.message_exact(layout, gathered)
+  signs = _wire.stream(layout, gathered)
   out = []
   for i, (role, shape) in enumerate(zip(layout.roles, layout.shapes)):
     if role[0] == "c":
       k = role[1]
-      out.append(_wire.message_leaf(layout, gathered, k, shape, None if at is None else at.blocks[k]))
+      out.append(_wire.message_leaf(layout, signs, k, shape, None if at is None else at.blocks[k]))
     elif role[0] == "e":
       offset = layout.exact_offsets[role[1]]
       out.append(floats[offset:offset + layout.sizes[i]].reshape(shape))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from onebit_optax import _compressor
 from onebit_optax import _layout
 
 __all__ = ["leaf_signs", "leaf_rms", "group_signs", "group_rms", "rows", "message_leaf",
-           "message_group", "message_exact", "first_blocks", "scales_to_bytes", "scales_from_bytes"]
+           "message_group", "message_exact", "first_blocks", "Stream", "stream", "scales_to_bytes", "scales_from_bytes"]
 
 _BLOCK = _layout.BLOCK
 
@@ -86,19 +88,25 @@ def rows(layout: _layout.WireLayout, signs: list, leaf_scales: jax.Array,
   return jnp.concatenate(parts, axis=1)
 
 
-def _stream_blocks(layout: _layout.WireLayout, gathered: jax.Array):
-  """The gathered sign stream as ``(blocks, 16)`` uint8 and the scale of each block ``(blocks,)``."""
-  stream = gathered[:, :layout.chunk_bytes].reshape(-1, _BLOCK // 8)
+class Stream(NamedTuple):
+  """The gathered messages' sign stream, ready to decode at any block."""
+
+  blocks: jax.Array  # (blocks, 16) uint8: the packed signs, 128 elements a block.
+  scales: jax.Array  # (blocks,) float32: each block's scale (its wire segment's).
+
+
+def stream(layout: _layout.WireLayout, gathered: jax.Array) -> Stream:
+  """The :class:`Stream` of the gathered messages (once per message: every leaf reads it)."""
+  blocks = gathered[:, :layout.chunk_bytes].reshape(-1, _BLOCK // 8)
   scales = scales_from_bytes(
       gathered[:, layout.chunk_bytes:layout.chunk_bytes + 4 * layout.segments]).reshape(-1)
-  return stream, scales[jnp.asarray(layout.bits.tables.wire_segment)]
+  return Stream(blocks, scales[jnp.asarray(layout.bits.tables.wire_segment)])
 
 
-def _decoded(layout: _layout.WireLayout, gathered: jax.Array, start, nblocks: int) -> jax.Array:
+def _decoded(signs: Stream, start, nblocks: int) -> jax.Array:
   """``nblocks`` blocks of the stream from block ``start`` decoded: ``(nblocks, 128)`` float32."""
-  stream, block_scales = _stream_blocks(layout, gathered)
-  packed = jax.lax.dynamic_slice_in_dim(stream, start, nblocks)
-  scale = jax.lax.dynamic_slice_in_dim(block_scales, start, nblocks)
+  packed = jax.lax.dynamic_slice_in_dim(signs.blocks, start, nblocks)
+  scale = jax.lax.dynamic_slice_in_dim(signs.scales, start, nblocks)
   return _compressor.sign_decompress(packed, scale, _BLOCK)
 
 
@@ -107,9 +115,9 @@ def first_blocks(layout: _layout.WireLayout) -> np.ndarray:
   return np.asarray(layout.bits.offsets, np.int64).astype(np.int32) // _BLOCK
 
 
-def message_leaf(layout: _layout.WireLayout, gathered: jax.Array, k: int, shape,
+def message_leaf(layout: _layout.WireLayout, signs: Stream, k: int, shape,
                  start=None) -> jax.Array:
-  """Compressed leaf ``k`` (position in ``layout.compressed``) decoded from the gathered messages.
+  """Compressed leaf ``k`` (position in ``layout.compressed``) decoded from the messages' :func:`stream`.
 
   Elementwise from the packed bytes: XLA fuses the unpacking into the
   consumer. ``start``: the leaf's first block (an int32 scalar the step
@@ -117,12 +125,12 @@ def message_leaf(layout: _layout.WireLayout, gathered: jax.Array, k: int, shape,
   """
   size = layout.bits.sizes[k]
   start = first_blocks(layout)[k] if start is None else start
-  return _decoded(layout, gathered, start, -(-size // _BLOCK)).reshape(-1)[:size].reshape(shape)
+  return _decoded(signs, start, -(-size // _BLOCK)).reshape(-1)[:size].reshape(shape)
 
 
-def message_group(layout: _layout.WireLayout, gathered: jax.Array, g: int,
+def message_group(layout: _layout.WireLayout, signs: Stream, g: int,
                   start=None) -> jax.Array:
-  """Group ``g`` (``layout.groups[g]``) decoded from the gathered messages: ``(leaves, *shape)``.
+  """Group ``g`` (``layout.groups[g]``) decoded from the messages' :func:`stream`: ``(leaves, *shape)``.
 
   The group's bits are one contiguous run of the stream, each leaf on whole
   blocks: one slice, one unpack, one scale per block (its wire segment's).
@@ -132,7 +140,7 @@ def message_group(layout: _layout.WireLayout, gathered: jax.Array, g: int,
   size = layout.bits.sizes[span.start]
   nblocks = -(-size // _BLOCK)
   start = first_blocks(layout)[span.start] if start is None else start
-  decoded = _decoded(layout, gathered, start, len(span) * nblocks)
+  decoded = _decoded(signs, start, len(span) * nblocks)
   shape = (len(span),) + tuple(layout.group_shape(g))
   return decoded.reshape(len(span), -1)[:, :size].reshape(shape)
 
