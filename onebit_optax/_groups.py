@@ -71,10 +71,11 @@ def scalars(pred, values) -> tuple:
   operands, outputs of one conditional. XLA:CPU compiles one kernel per
   distinct fused computation; a kernel that read its leaf's piece of a
   shared buffer at a constant offset would be distinct for every leaf, and
-  the program would grow with the leaves. At computed offsets the leaves
-  (and groups) of one shape share their kernels. ``pred`` says when the
-  offsets are used (a message is read, the variance is floored); 0 stands in
-  otherwise.
+  the program would grow with the leaves. At computed offsets the leaves of
+  one shape share their kernels. ``pred`` says when the offsets are used (a
+  message is read, the variance is floored); 0 stands in otherwise. (Only for
+  the per-leaf passes: a full-size pass over a whole group reads at constant
+  offsets, measured faster, one kernel a group.)
   """
   values = [int(v) for v in values]
   return jax.lax.cond(pred, lambda: tuple(jnp.int32(v) for v in values),
@@ -90,15 +91,12 @@ class Offsets(NamedTuple):
   """Where a step reads each leaf's pieces: int32 scalars the step computes (:func:`scalars`)."""
 
   blocks: tuple  # per compressed leaf: the block of the message where its signs start.
-  groups: tuple  # per group: its first leaf's position among the compressed leaves.
   leaves: tuple  # per leaf: its position in the tree (in per-leaf vectors: the floors).
 
 
 def offsets(layout: _layout.WireLayout, reading, floored) -> Offsets:
   """The :class:`Offsets` of ``layout``: the message's where ``reading``, the leaves' where ``floored``."""
-  firsts = _wire.first_blocks(layout)
-  message = scalars(reading, list(firsts) + [span.start for span in layout.groups])
-  return Offsets(message[:len(firsts)], message[len(firsts):],
+  return Offsets(scalars(reading, _wire.first_blocks(layout)),
                  scalars(floored, range(len(layout.shapes))))
 
 
@@ -124,14 +122,12 @@ def exact_momenta(b1, layout: _layout.WireLayout, message: jax.Array, grads: lis
   return b1 * _wire.message_exact(layout, message) + (1.0 - b1) * exact(layout, grads)
 
 
-def group_scale(scales: jax.Array, span: range, shape, start=None) -> jax.Array:
+def group_scale(scales: jax.Array, span: range, shape) -> jax.Array:
   """The scales of a group's leaves (``span`` of the per-leaf ``scales``), ``(leaves, 1, ...)``: broadcastable against the group.
 
-  ``start``: ``span.start`` as a computed scalar (:func:`scalars`), or None.
+  At a constant offset: it is read in a full-size pass (see :func:`momenta`).
   """
-  start = span.start if start is None else start
-  part = jax.lax.dynamic_slice_in_dim(scales, start, len(span))
-  return part.reshape((len(span),) + (1,) * len(shape))
+  return scales[span.start:span.stop].reshape((len(span),) + (1,) * len(shape))
 
 
 def feedback(sent: jax.Array, scale, valid=True) -> jax.Array:

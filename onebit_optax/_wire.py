@@ -128,19 +128,17 @@ def message_leaf(layout: _layout.WireLayout, signs: Stream, k: int, shape,
   return _decoded(signs, start, -(-size // _BLOCK)).reshape(-1)[:size].reshape(shape)
 
 
-def message_group(layout: _layout.WireLayout, signs: Stream, g: int,
-                  start=None) -> jax.Array:
+def message_group(layout: _layout.WireLayout, signs: Stream, g: int) -> jax.Array:
   """Group ``g`` (``layout.groups[g]``) decoded from the messages' :func:`stream`: ``(leaves, *shape)``.
 
   The group's bits are one contiguous run of the stream, each leaf on whole
   blocks: one slice, one unpack, one scale per block (its wire segment's).
-  ``start``: as for :func:`message_leaf`, the group's first leaf's.
+  Read at the group's constant offset (see :func:`_groups.momenta`).
   """
   span = layout.groups[g]
   size = layout.bits.sizes[span.start]
   nblocks = -(-size // _BLOCK)
-  start = first_blocks(layout)[span.start] if start is None else start
-  decoded = _decoded(signs, start, len(span) * nblocks)
+  decoded = _decoded(signs, first_blocks(layout)[span.start], len(span) * nblocks)
   shape = (len(span),) + tuple(layout.group_shape(g))
   return decoded.reshape(len(span), -1)[:, :size].reshape(shape)
 
