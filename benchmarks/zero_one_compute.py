@@ -55,6 +55,8 @@ def _parse_args(argv):
   p.add_argument("--threads", choices=("1", "all"), default="1")
   p.add_argument("--settings", default="single,mesh",
                  help="single: one device (axis_name=None); mesh: per device in a 2-device shard_map")
+  p.add_argument("--leaves", type=int, default=0,
+                 help="a tree of this many leaves in 20 shapes (default 0: the 6-leaf model-shaped tree)")
   p.add_argument("--json", default=None, help="also write the raw numbers here")
   p.add_argument("--before", default=None, help="a --json file of an earlier run: before/after table")
   p.add_argument("--out", default=str(RESULTS / "zero_one_compute.md"))
@@ -90,8 +92,17 @@ KINDS = {"variance": dict(var_freeze_step=NEVER, var_update_scaler=NEVER),
          "sync": dict(var_freeze_step=FREEZE)}
 
 
-def make_tree(size: int, seed: int = 0):
-  """A model-shaped tree: two matrices, an embedding, biases (1/2, 1/4, 1/8, rest; small leaves too)."""
+def make_tree(size: int, seed: int = 0, leaves: int = 0):
+  """A model-shaped tree: two matrices, an embedding, biases (1/2, 1/4, 1/8, rest; small leaves too).
+
+  ``leaves`` > 0: that many leaves in 20 shapes instead (matrices ``(r, 128)`` of 1 to 3
+  units and vectors, about ``size`` parameters in all), as a model without scan-over-layers.
+  """
+  if leaves:
+    unit = max(size // (2 * leaves * 128), 1)
+    shapes = [(unit * (1 + k % 3), 128) if k % 2 else (unit * 128 * (1 + k % 3),) for k in range(20)]
+    keys = jax.random.split(jax.random.key(seed), leaves)
+    return {f"w{i:04d}": jax.random.normal(keys[i], shapes[i % 20], jnp.float32) for i in range(leaves)}
   shapes, used = [], 0
   for frac in (2, 4, 8):
     rows = size // frac // 128
@@ -166,13 +177,13 @@ def _into_run(step, params, state, grads, kind: str, length: int, limit: int = 4
   raise RuntimeError(f"no run of {length} {kind} steps within {limit} steps")
 
 
-def contestants(size: int, grads, mesh=None, repeats: int = 1):
+def contestants(size: int, grads, mesh=None, repeats: int = 1, leaves: int = 0):
   """name -> (step, params, state): each trains on from its state, one kind of step per name."""
   out, axis = {}, None if mesh is None else AXIS
   for name, tx in (("adam", optax.adam(LR)),
                    ("1-bit warmup", onebit_optax.onebit_adam(LR, axis_name=axis, freeze=10**9)),
                    ("1-bit compression", onebit_optax.onebit_adam(LR, axis_name=axis, freeze=1))):
-    params = place(make_tree(size), mesh)
+    params = place(make_tree(size, 0, leaves), mesh)
     state = _init(tx, params, mesh, name != "adam")
     step = _step(tx, mesh, state, name != "adam")
     for _ in range(3):
@@ -180,7 +191,7 @@ def contestants(size: int, grads, mesh=None, repeats: int = 1):
     out[name] = (step, params, state)
   for kind, schedule in KINDS.items():
     tx = onebit_optax.zero_one_adam(LR, axis_name=axis, **schedule)
-    params = place(make_tree(size), mesh)
+    params = place(make_tree(size, 0, leaves), mesh)
     state = _init(tx, params, mesh, True)
     step = _step(tx, mesh, state, True)
     out[f"0/1 {kind}"] = (step, *_into_run(step, params, state, grads, kind, repeats + 1))
@@ -228,11 +239,11 @@ def hlo_facts(step, params, state, grads) -> dict:
           "cond_result_bytes": cond_bytes, "temp_bytes": int(mem.temp_size_in_bytes)}
 
 
-def measure(setting: str, size: int, repeats: int) -> dict:
+def measure(setting: str, size: int, repeats: int, leaves: int = 0) -> dict:
   load_start = os.getloadavg()
   mesh = jax.make_mesh((MESH_DEVICES,), (AXIS,)) if setting == "mesh" else None
-  grads = place(make_tree(size, 1), mesh)
-  cands = contestants(size, grads, mesh, repeats)
+  grads = place(make_tree(size, 1, leaves), mesh)
+  cands = contestants(size, grads, mesh, repeats, leaves)
   d4 = 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(grads))
   facts = {name: hlo_facts(*c, grads) for name, c in cands.items()}
   times = time_all(cands, grads, repeats)
@@ -245,10 +256,10 @@ def measure(setting: str, size: int, repeats: int) -> dict:
 def main(args) -> int:
   data = {"command": " ".join(["python", "benchmarks/zero_one_compute.py"] + [shlex.quote(a) for a in sys.argv[1:]]),
           "commit": _provenance.git_commit(), "jax": jax.__version__, "repeats": args.repeats,
-          "threads": args.threads, "cpus": os.cpu_count(), "runs": []}
+          "threads": args.threads, "cpus": os.cpu_count(), "leaves": args.leaves, "runs": []}
   for setting in args.settings.split(","):
     for size in args.sizes.split(","):
-      data["runs"].append(measure(setting, int(float(size)), args.repeats))
+      data["runs"].append(measure(setting, int(float(size)), args.repeats, args.leaves))
       print(f"{setting} {int(float(size)):,}: done", flush=True)
   if args.json:
     Path(args.json).write_text(json.dumps(data, indent=1))
@@ -284,13 +295,15 @@ _WHERE = {"single": "one device, `axis_name=None`",
 
 
 def _header(data) -> str:
-  return (f"`{data['command']}`: commit {data['commit']}, jax {data['jax']}, {data['repeats']} "
+  tree = (f"{data['leaves']} leaves in 20 shapes" if data.get("leaves") else
+          "the 6-leaf model-shaped tree")
+  return (f"`{data['command']}`: commit {data['commit']}, jax {data['jax']}, {tree}, {data['repeats']} "
           f"interleaved repeats, XLA intra-op threads {data['threads']}, {data['cpus']} CPUs "
           "(a shared machine: ratios measured side by side, not absolute times).")
 
 
 def _run_title(run) -> str:
-  return (f"{_WHERE[run['setting']]}, {run['size']:,} parameters; load average (1/5/15 min) at "
+  return (f"{_WHERE[run['setting']]}, {run['d4'] // 4:,} parameters; load average (1/5/15 min) at "
           f"start {run['load_start']}, at end {run['load_end']}")
 
 
