@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["adam_update_bound", "bias_correction", "bounded_step"]
+__all__ = ["adam_update_bound", "bias_correction", "bounded_step", "floors", "scalars",
+           "still_threshold", "Scalars"]
 
 F32 = jnp.float32
 
@@ -43,22 +47,67 @@ def bias_correction(decay, count) -> jax.Array:
   return 1.0 - jnp.asarray(decay, F32) ** count
 
 
-def bounded_step(m, nu, b1, b2, eps, max_update, bc1, bc2, floor, *, bounded, finite,
-                 zero_without_variance):
-  r"""Adam's step :math:`\hat m/(\sqrt{\hat v}+\epsilon)`, floored and clipped where ``bounded``.
+class Scalars(NamedTuple):
+  """The scalars of one step's :func:`bounded_step`, formed once for every leaf (:func:`scalars`)."""
 
-  ``bounded`` (a replicated scalar): :math:`\hat v` is floored at ``floor``
-  and the step clipped at :math:`\pm B` (``max_update``, None:
-  :func:`adam_update_bound`); else the floor is 0 and the clip infinite, which
-  leaves Adam's step exactly. ``zero_without_variance``: a coordinate with
+  bc1: jax.Array  # shape=(), float32: 1 - b1^t.
+  bc2: jax.Array  # shape=(), float32: 1 - b2^t (t: the variance's own step count).
+  eps: jax.Array  # shape=(), float32.
+  low: jax.Array  # shape=(), float32: the clip, -B where bounded, -inf where not.
+  high: jax.Array  # shape=(), float32: +B where bounded, +inf where not.
+  still_to: jax.Array  # shape=(), float32: a coordinate with v <= still_to stays put (still_threshold).
+
+
+def still_threshold(finite, only_where_variance) -> jax.Array:
+  r"""The :math:`v` at or below which a coordinate stays put: :math:`-\infty`, 0 or :math:`+\infty`.
+
+  ``finite`` False (a skipped step): :math:`+\infty`, nothing moves.
+  ``only_where_variance``: 0, a coordinate whose :math:`v` is 0 stays put.
+  Else :math:`-\infty`, every coordinate moves. One scalar, so that the
+  per-leaf test is one comparison, ``v <= threshold``.
+  """
+  moving = jnp.where(only_where_variance, 0.0, -jnp.inf).astype(F32)
+  return jnp.where(finite, moving, jnp.inf)
+
+
+def scalars(b1, b2, eps, max_update, bc1, bc2, *, bounded, finite,
+            zero_without_variance) -> Scalars:
+  """The :class:`Scalars` of a step (``bounded``, ``finite``: replicated bool scalars)."""
+  bound = adam_update_bound(b1, b2) if max_update is None else jnp.asarray(max_update, F32)
+  bound = jnp.where(bounded, bound, jnp.inf)
+  return Scalars(jnp.asarray(bc1, F32), jnp.asarray(bc2, F32), jnp.asarray(eps, F32), -bound,
+                 bound, still_threshold(finite, zero_without_variance))
+
+
+def floors(variance_floor, nu_l1, sizes, bc2, bounded) -> jax.Array:
+  r"""Per leaf, the floor on :math:`\hat v`: ``variance_floor`` x the leaf's mean :math:`\hat v` (0 where not ``bounded``).
+
+  ``nu_l1``: (leaves,) the sum of each leaf's raw :math:`v`; ``sizes`` its
+  element counts (static). One vector for all leaves.
+  """
+  sizes = jnp.asarray(np.maximum(np.asarray(sizes, np.float32), 1.0))
+  return jnp.where(bounded, variance_floor * nu_l1 / (sizes * bc2), 0.0)
+
+
+def bounded_step(m, nu, floor, s: Scalars) -> jax.Array:
+  r"""Adam's step :math:`\hat m/(\sqrt{\hat v}+\epsilon)`, floored and clipped where bounded.
+
+  .. math::
+
+    \mathrm{clip}\Big(\frac{m/(1-\beta_1^t)}{\sqrt{\max(v/(1-\beta_2^t),\, f)}+\epsilon},
+    \pm B\Big), \quad 0 \text{ where } v \le \tau.
+
+  Bounded (a replicated scalar of :func:`scalars`): :math:`\hat v` is floored
+  at ``floor`` (:func:`floors`) and the step clipped at :math:`\pm B`
+  (``max_update``, None: :func:`adam_update_bound`); else the floor is 0 and
+  the clip infinite, which leaves Adam's step exactly. :math:`\tau`
+  (:func:`still_threshold`): with ``zero_without_variance`` a coordinate with
   :math:`v = 0` stays put (it never had a gradient where :math:`v` was
   estimated: its momentum is the compressor's sign noise, which
-  :math:`1/\epsilon` would amplify). ``finite`` False: 0 everywhere (a
-  skipped step). Each intermediate is used once, so that XLA writes the step
-  in one pass from the moments.
+  :math:`1/\epsilon` would amplify); ``finite`` False: 0 everywhere (a
+  skipped step). The scalars are formed once per step, so that each leaf's
+  step is one pass from its moments.
   """
-  bound = adam_update_bound(b1, b2) if max_update is None else max_update
-  bound = jnp.where(bounded, jnp.asarray(bound, F32), jnp.inf)
-  v_hat = jnp.maximum(nu / bc2, jnp.where(bounded, floor, 0.0))
-  step = jnp.clip((m / bc1) / (jnp.sqrt(v_hat) + eps), -bound, bound)
-  return jnp.where(finite & (jnp.logical_not(zero_without_variance) | (nu > 0)), step, 0.0)
+  v_hat = jnp.maximum(nu / s.bc2, floor)
+  step = jnp.minimum(jnp.maximum((m / s.bc1) / (jnp.sqrt(v_hat) + s.eps), s.low), s.high)
+  return jnp.where(nu <= s.still_to, 0.0, step)

@@ -84,7 +84,7 @@ def scalars(pred, values) -> tuple:
 
 def at_index(vector: jax.Array, index) -> jax.Array:
   """``vector[index]`` at a computed index (:func:`scalars`)."""
-  return jax.lax.dynamic_index_in_dim(vector, index, keepdims=False)
+  return jax.lax.dynamic_index_in_dim(vector, index, keepdims=False, allow_negative_indices=False)
 
 
 class Offsets(NamedTuple):

@@ -6,7 +6,6 @@ from typing import Any, Hashable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from optax._src import numerics
 
@@ -288,38 +287,35 @@ def _freeze_message(hp: _Hyper, plan: _groups.Plan, mu: list, local, gathered, s
   return rows, _collective.vary(zeros[None], plan.axes.device_axes), local
 
 
-def _leaf_update(m, nu, frozen, bc1, bc2, floor, finite, hp: _Hyper):
-  r"""One leaf's update: Adam's during warmup, the floored and clipped frozen-variance step after.
+def _step_scalars(hp: _Hyper, frozen, bc1, bc2, finite) -> _bounded.Scalars:
+  r"""The scalars of every leaf's update: Adam's during warmup, the floored and clipped frozen-variance step after.
 
   One expression for both phases (the phase only changes scalars: the floor,
-  the clip), so that XLA writes the update in one pass from the moments. In
+  the clip), so that XLA writes each update in one pass from the moments. In
   warmup the floor is 0 and the clip infinite, which leaves
   :math:`\hat m / (\sqrt{\hat v} + \epsilon)` exactly; a coordinate with
   :math:`v = 0` stays put only once frozen (before, it is Adam's).
   """
-  return _bounded.bounded_step(m, nu, hp.b1, hp.b2, hp.eps, hp.max_update, bc1, bc2, floor,
-                               bounded=frozen, finite=finite,
-                               zero_without_variance=frozen)
+  return _bounded.scalars(hp.b1, hp.b2, hp.eps, hp.max_update, bc1, bc2, bounded=frozen,
+                          finite=finite, zero_without_variance=frozen)
 
 
 def _updates(hp: _Hyper, plan: _groups.Plan, grads, state, ex: _Exchange, mo: _Moments,
              count, at: _groups.Offsets) -> list:
   """The update of every leaf, from the new moments (warmup) or the new message (compression)."""
-  finite = ex.finite & mo.finite
   bc1 = _bounded.bias_correction(hp.b1, count)
   bc2 = _bounded.bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
+  scalars = _step_scalars(hp, state.frozen, bc1, bc2, ex.finite & mo.finite)
   layout, out = plan.layout, []
   means = _groups.mean_leaves(layout, ex.gathered, at)
-  sizes = np.maximum(np.asarray(layout.sizes, np.float32), 1.0)  # (one division for all leaves)
-  floors = hp.variance_floor * mo.nu_l1 / (jnp.asarray(sizes) * bc2)
+  floors = _bounded.floors(hp.variance_floor, mo.nu_l1, layout.sizes, bc2, state.frozen)
   for i, g in enumerate(grads):
     if plan.kind(i)[0] == "z":
       out.append(jnp.zeros(jnp.shape(g), g.dtype))  # replicated, as every other update
       continue
     mean = jnp.where(state.frozen, means[i], mo.mu[i].astype(F32))
     floor = _groups.at_index(floors, at.leaves[i])
-    out.append(_leaf_update(mean, mo.nu[i].astype(F32), state.frozen, bc1, bc2, floor,
-                            finite, hp).astype(g.dtype))
+    out.append(_bounded.bounded_step(mean, mo.nu[i].astype(F32), floor, scalars).astype(g.dtype))
   return out
 
 

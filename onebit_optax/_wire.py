@@ -105,8 +105,8 @@ def stream(layout: _layout.WireLayout, gathered: jax.Array) -> Stream:
 
 def _decoded(signs: Stream, start, nblocks: int) -> jax.Array:
   """``nblocks`` blocks of the stream from block ``start`` decoded: ``(nblocks, 128)`` float32."""
-  packed = jax.lax.dynamic_slice_in_dim(signs.blocks, start, nblocks)
-  scale = jax.lax.dynamic_slice_in_dim(signs.scales, start, nblocks)
+  packed = jax.lax.dynamic_slice_in_dim(signs.blocks, start, nblocks, allow_negative_indices=False)
+  scale = jax.lax.dynamic_slice_in_dim(signs.scales, start, nblocks, allow_negative_indices=False)
   return _compressor.sign_decompress(packed, scale, _BLOCK)
 
 

@@ -6,7 +6,6 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from onebit_optax import _bounded
 from onebit_optax import _collective
@@ -88,21 +87,10 @@ def exchange(plan: Plan, sent: list, exact, server_error, hp: Hyper):
   return gathered, _collective.vary(scales[None], plan.axes.device_axes), server_error, finite
 
 
-def floors(hp: Hyper, plan: Plan, nu_l1, bc2, at: _groups.Offsets) -> list:
-  """Per leaf: the floor on the bias-corrected variance, ``variance_floor`` x the leaf's mean."""
-  sizes = np.maximum(np.asarray(plan.layout.sizes, np.float32), 1.0)
-  floor = hp.variance_floor * nu_l1 / (jnp.asarray(sizes) * bc2)  # one division for all leaves
-  return [_groups.at_index(floor, at.leaves[i]) for i in range(len(sizes))]
-
-
-def direction(hp: Hyper, m, nu, bc1, bc2, floor, bounded, finite):
-  r"""Adam's step :math:`\hat m/(\sqrt{\hat v}+\epsilon)`; ``bounded``: floored variance and Adam's clip.
-
-  A coordinate with :math:`v = 0` never had a gradient on a variance step: it
-  stays put (see :func:`_bounded.bounded_step`).
-  """
-  return _bounded.bounded_step(m, nu, hp.b1, hp.b2, hp.eps, hp.max_update, bc1, bc2, floor,
-                               bounded=bounded, finite=finite, zero_without_variance=True)
+def floors(hp: Hyper, plan: Plan, nu_l1, bc2, at: _groups.Offsets, bounded=True) -> list:
+  """Per leaf: the floor on the bias-corrected variance, ``variance_floor`` x the leaf's mean (0 where not ``bounded``)."""
+  floor = _bounded.floors(hp.variance_floor, nu_l1, plan.layout.sizes, bc2, bounded)
+  return [_groups.at_index(floor, at.leaves[i]) for i in range(len(plan.layout.sizes))]
 
 
 def _zeros_like(g):
@@ -367,8 +355,12 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, nu
   is_var = sched.kind == VARIANCE
   bc2_here = jnp.where(is_var, v_correction(hp, state.variance_updates + 1, sched.count), bc2)
   bounded = _bounded_now(state, sched)
-  floor = floors(hp, plan, nu_l1, bc2_here, sched.at)
-  decay_at_zero = sched.kind != LOCAL
+  floor = floors(hp, plan, nu_l1, bc2_here, sched.at, bounded)
+  # A coordinate whose v is 0 stays put (see _bounded.bounded_step), its decay too, except on
+  # a local step.
+  scalars = _bounded.scalars(hp.b1, hp.b2, hp.eps, hp.max_update, bc1, bc2_here, bounded=bounded,
+                             finite=finite, zero_without_variance=True)
+  decay_still_to = _bounded.still_threshold(finite, sched.kind == LOCAL)
   if hp.local_steps is None:
     factor = None
   else:
@@ -381,11 +373,10 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, nu
     if plan.kind(i)[0] == "z":
       out.append(_zeros_like(m))
       continue
-    d = direction(hp, jnp.where(is_compressed, means[i], m), v, bc1, bc2_here, floor[i], bounded,
-                  finite)
+    d = _bounded.bounded_step(jnp.where(is_compressed, means[i], m), v, floor[i], scalars)
     if params is not None and plan.decays(i):
       decay = hp.weight_decay * params[i].astype(F32)
-      d = d + jnp.where(finite & (decay_at_zero | (v > 0)), decay, 0.0)
+      d = d + jnp.where(v <= decay_still_to, 0.0, decay)
     out.append(d if factor is None else factor * d)
   return out
 
