@@ -73,6 +73,8 @@ RESULT_TITLES = {
     "optimizer_compute": "Optimizer compute and memory",
     "compile_time": "Compile time of the train step",
     "digits_gap": "Digits: where the gap to AdamW comes from",
+    "step_profile": "Where a train step's time goes, kernel by kernel",
+    "step_profile_leaves": "Where a train step's time goes: 300 leaves",
 }
 
 # What each benchmark measures, shown above its generated page (prose only: the

@@ -1,0 +1,167 @@
+"""Where a train step's time goes, kernel by kernel: every kind of step against Adam's (XLA:CPU profiler).
+
+    .venv/bin/python benchmarks/step_profile.py                              # 10M, the 6-leaf tree
+    .venv/bin/python benchmarks/step_profile.py --size 3.9e6 --leaves 300 --out /tmp/p.md
+
+The contestants are ``benchmarks/zero_one_compute.py``'s (``optax.adam``; 1-bit
+Adam in warmup and in compression; 0/1 Adam in a run of each kind of step), one
+device, one XLA intra-op thread, each training on from its own state. Per
+contestant: the median step time untraced (interleaved repeats), then
+``--steps`` steps under ``jax.profiler.trace``, whose events are summed per
+step: every compiled kernel (an event named as an instruction of the compiled
+program: fusions, copies, the kernels inside conditionals, reductions; the
+conditionals themselves are containers, left out), and PJRT's host-side work
+around the executable (``ExecuteHelperOnSingleDevice``: arguments, outputs,
+the launch).
+The top kernels are named with the jax operation they came from (the HLO
+``op_name``), which says which stage of the step each one is.
+
+Numbers under the profiler are larger than untraced ones; read them as shares.
+Writes benchmarks/results/step_profile.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import _provenance
+
+RESULTS = Path(__file__).parent / "results"
+HOST = "CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice"
+
+
+def _parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--size", default="1e7", help="parameters (default 1e7)")
+  p.add_argument("--leaves", type=int, default=0, help="leaves in 20 shapes (0: the 6-leaf tree)")
+  p.add_argument("--steps", type=int, default=10, help="traced steps per contestant")
+  p.add_argument("--repeats", type=int, default=15, help="untraced timed steps per contestant")
+  p.add_argument("--top", type=int, default=8, help="kernels listed per contestant")
+  p.add_argument("--out", default=str(RESULTS / "step_profile.md"))
+  return p.parse_args(argv)
+
+
+def _op_names(step, *args) -> dict:
+  """Kernel name -> the jax op_name it came from, over the whole compiled program.
+
+  Conditionals are left out: their events contain their branches' kernels.
+  """
+  text = step.lower(*args).compile().as_text()
+  out = {}
+  for line in text.splitlines():
+    m = re.match(r"\s+(?:ROOT )?%?([\w.\-]+) = ", line)
+    if m and " conditional(" not in line:
+      op = re.search(r'op_name="([^"]*)"', line)
+      out[m.group(1)] = op.group(1) if op else ""
+  return out
+
+
+def _traced(step, params, state, grads, steps: int):
+  """Runs ``steps`` steps under the profiler; returns (events per name summed, the new params, state)."""
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for _ in range(steps):
+        params, state = step(params, state, grads)
+      jax.block_until_ready((params, state))
+    path = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)[0]
+    events = json.load(gzip.open(path))["traceEvents"]
+  total, count = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X":
+      total[e["name"]] += e["dur"] / 1e3 / steps  # ms a step
+      count[e["name"]] += 1 / steps
+  return total, count, params, state
+
+
+def profile(step, params, state, grads, steps: int, top: int) -> dict:
+  names = _op_names(step, params, state, grads)
+  total, count, params, state = _traced(step, params, state, grads, steps)
+  kernels = {k: v for k, v in total.items() if k in names}
+  ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+  return {"kernels_ms": sum(kernels.values()), "kernel_count": sum(count[k] for k in kernels),
+          "host_ms": total.get(HOST, 0.0),
+          "top": [(k, v, names[k]) for k, v in ranked]}
+
+
+def main(args) -> int:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +  # (before jax's first use)
+                             " --xla_force_host_platform_device_count=1").strip()
+  import zero_one_compute as zc  # (which sets one XLA intra-op thread, as it runs)
+  size = int(float(args.size))
+  grads = zc.make_tree(size, 1, args.leaves)
+  cands = zc.contestants(size, grads, None, args.repeats + args.steps + 2, args.leaves)
+  load_start = os.getloadavg()
+  times, cands = _timed(cands, grads, args.repeats)
+  rows = {}
+  for name, (step, params, state) in cands.items():
+    rows[name] = profile(step, params, state, grads, args.steps, args.top)
+    rows[name]["median_ms"] = 1e3 * float(np.median(times[name]))
+  data = {"command": " ".join(["python", "benchmarks/step_profile.py"] + [shlex.quote(a) for a in sys.argv[1:]]),
+          "commit": _provenance.git_commit(), "jax": jax.__version__, "size": size,
+          "leaves": args.leaves, "steps": args.steps, "repeats": args.repeats,
+          "load": [round(x, 2) for x in load_start] + [round(x, 2) for x in os.getloadavg()]}
+  lines = render(data, rows)
+  Path(args.out).write_text("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  return 0
+
+
+def _timed(cands, grads, repeats: int):
+  """Interleaved untraced steps: (times per contestant, contestants with their live params and state)."""
+  times, live = {name: [] for name in cands}, dict(cands)
+  for _ in range(repeats):
+    for name, (step, params, state) in live.items():
+      jax.block_until_ready((params, state))
+      start = time.perf_counter()
+      params, state = step(params, state, grads)
+      jax.block_until_ready((params, state))
+      times[name].append(time.perf_counter() - start)
+      live[name] = (step, params, state)
+  return times, live
+
+
+def _ratio(a: float, b: float) -> str:
+  return f"{a / b:.2f}" if b > 0.05 else "–"
+
+
+def render(data, rows) -> list:
+  adam = rows["adam"]
+  tree = f"{data['leaves']} leaves in 20 shapes" if data["leaves"] else "the 6-leaf model-shaped tree"
+  lines = ["#### Where a train step's time goes (XLA:CPU profiler)", "",
+           f"`{data['command']}`: commit {data['commit']}, jax {data['jax']}, {data['size']:,} "
+           f"parameters, {tree}, one device, one XLA intra-op thread; load average (1/5/15 min) "
+           f"at start {data['load'][:3]}, at end {data['load'][3:]}. Step: untraced median of "
+           f"{data['repeats']} interleaved repeats. The rest: per step, summed over "
+           f"{data['steps']} traced steps (the profiler slows every step: read shares). Kernels: "
+           "events named as instructions of the compiled program (two threads may run "
+           "them side by side: their sum can exceed the step). Host: PJRT's "
+           "`ExecuteHelperOnSingleDevice` (arguments, outputs, the launch).", "",
+           "| step | step (ms) | / adam | kernels (ms) | / adam | kernels a step | host (ms) | / adam |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for name, r in rows.items():
+    lines.append(f"| {name} | {r['median_ms']:.1f} | {r['median_ms'] / adam['median_ms']:.2f} | "
+                 f"{r['kernels_ms']:.1f} | {r['kernels_ms'] / adam['kernels_ms']:.2f} | "
+                 f"{r['kernel_count']:.0f} | {r['host_ms']:.1f} | {_ratio(r['host_ms'], adam['host_ms'])} |")
+  for name, r in rows.items():
+    lines += ["", f"**{name}**: the {len(r['top'])} longest kernels (ms a step; the jax op they came from)", "",
+              "| kernel | ms | op |", "|---|---:|---|"]
+    lines += [f"| {k} | {v:.2f} | `{op[-90:]}` |" for k, v, op in r["top"]]
+  return lines
+
+
+if __name__ == "__main__":
+  sys.exit(main(_parse_args(sys.argv[1:])))
