@@ -87,14 +87,15 @@ def _traced(step, params, state, grads, steps: int):
   return total, count, params, state
 
 
-def profile(step, params, state, grads, steps: int, top: int) -> dict:
+def profile(step, params, state, grads, steps: int, top: int) -> tuple[dict, object]:
+  """The profile of ``steps`` steps (see the module docstring), and the state after them."""
   names = _op_names(step, params, state, grads)
   total, count, params, state = _traced(step, params, state, grads, steps)
   kernels = {k: v for k, v in total.items() if k in names}
   ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
   return {"kernels_ms": sum(kernels.values()), "kernel_count": sum(count[k] for k in kernels),
           "host_ms": total.get(HOST, 0.0),
-          "top": [(k, v, names[k]) for k, v in ranked]}
+          "top": [(k, v, names[k]) for k, v in ranked]}, state
 
 
 def main(args) -> int:
@@ -108,8 +109,10 @@ def main(args) -> int:
   times, cands = _timed(cands, grads, args.repeats)
   rows = {}
   for name, (step, params, state) in cands.items():
-    rows[name] = profile(step, params, state, grads, args.steps, args.top)
+    rows[name], state = profile(step, params, state, grads, args.steps, args.top)
     rows[name]["median_ms"] = 1e3 * float(np.median(times[name]))
+    if name.startswith("0/1"):  # (its run was long enough: every step of the kind named)
+      assert zc._phase(state) == name.split()[-1], (name, zc._phase(state))
   data = {"command": " ".join(["python", "benchmarks/step_profile.py"] + [shlex.quote(a) for a in sys.argv[1:]]),
           "commit": _provenance.git_commit(), "jax": jax.__version__, "size": size,
           "leaves": args.leaves, "steps": args.steps, "repeats": args.repeats,

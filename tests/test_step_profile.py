@@ -28,9 +28,10 @@ def _adam_step():
 def test_the_profile_counts_the_programs_kernels():
   step, params, state, grads = _adam_step()
   names = step_profile._op_names(step, params, state, grads)
-  row = step_profile.profile(step, params, state, grads, steps=2, top=3)
+  row, state = step_profile.profile(step, params, state, grads, steps=2, top=3)
   assert row["kernel_count"] >= 1 and row["kernels_ms"] > 0
   assert row["top"] and all(name in names for name, _, _ in row["top"])
+  assert int(state[0].count) == 2  # the state after the profiled steps
 
 
 def test_conditionals_are_not_counted_as_kernels():
