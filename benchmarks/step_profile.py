@@ -32,7 +32,6 @@ import re
 import shlex
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -106,7 +105,7 @@ def main(args) -> int:
   grads = zc.make_tree(size, 1, args.leaves)
   cands = zc.contestants(size, grads, None, args.repeats + args.steps + 2, args.leaves)
   load_start = os.getloadavg()
-  times, cands = _timed(cands, grads, args.repeats)
+  times, cands = zc.time_all(cands, grads, args.repeats)  # (each 0/1 step's kind checked)
   rows = {}
   for name, (step, params, state) in cands.items():
     rows[name], state = profile(step, params, state, grads, args.steps, args.top)
@@ -121,20 +120,6 @@ def main(args) -> int:
   Path(args.out).write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
   return 0
-
-
-def _timed(cands, grads, repeats: int):
-  """Interleaved untraced steps: (times per contestant, contestants with their live params and state)."""
-  times, live = {name: [] for name in cands}, dict(cands)
-  for _ in range(repeats):
-    for name, (step, params, state) in live.items():
-      jax.block_until_ready((params, state))
-      start = time.perf_counter()
-      params, state = step(params, state, grads)
-      jax.block_until_ready((params, state))
-      times[name].append(time.perf_counter() - start)
-      live[name] = (step, params, state)
-  return times, live
 
 
 def _ratio(a: float, b: float) -> str:

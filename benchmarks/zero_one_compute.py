@@ -36,7 +36,6 @@ Writes benchmarks/results/zero_one_compute.md (and, with ``--json``, the raw num
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -198,7 +197,8 @@ def contestants(size: int, grads, mesh=None, repeats: int = 1, leaves: int = 0):
   return out
 
 
-def time_all(cands, grads, repeats: int) -> dict:
+def time_all(cands, grads, repeats: int) -> tuple[dict, dict]:
+  """Interleaved timed steps: the times per contestant, and the contestants with their live state."""
   times = {name: [] for name in cands}
   live = {name: [c[1], c[2]] for name, c in cands.items()}
   for _ in range(repeats):
@@ -212,7 +212,7 @@ def time_all(cands, grads, repeats: int) -> dict:
       if name.startswith("0/1"):
         assert _phase(s) == name.split()[-1], (name, _phase(s))
       live[name] = [p, s]
-  return times
+  return times, {name: (c[0], *live[name]) for name, c in cands.items()}
 
 
 _SHAPE = re.compile(r"(f32|s32|u8|pred|u32|s8|f16|bf16)\[([0-9,]*)\]")
@@ -246,7 +246,7 @@ def measure(setting: str, size: int, repeats: int, leaves: int = 0) -> dict:
   cands = contestants(size, grads, mesh, repeats, leaves)
   d4 = 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(grads))
   facts = {name: hlo_facts(*c, grads) for name, c in cands.items()}
-  times = time_all(cands, grads, repeats)
+  times, _ = time_all(cands, grads, repeats)
   return {"setting": setting, "size": size, "load_start": [round(x, 2) for x in load_start],
           "load_end": [round(x, 2) for x in os.getloadavg()],
           "median_s": {name: float(np.median(ts)) for name, ts in times.items()}, "all_s": times,
