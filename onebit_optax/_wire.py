@@ -12,7 +12,8 @@ from onebit_optax import _compressor
 from onebit_optax import _layout
 
 __all__ = ["leaf_signs", "leaf_rms", "group_signs", "group_rms", "rows", "message_leaf",
-           "message_group", "message_exact", "first_blocks", "Stream", "stream", "scales_to_bytes", "scales_from_bytes"]
+           "message_group", "message_exact", "first_blocks", "Stream", "stream", "scales_to_bytes", "scales_from_bytes",
+           "scaled"]
 
 _BLOCK = _layout.BLOCK
 
@@ -26,6 +27,21 @@ def scales_to_bytes(scales: jax.Array) -> jax.Array:
 def scales_from_bytes(raw: jax.Array) -> jax.Array:
   """Inverse of :func:`scales_to_bytes`."""
   return jax.lax.bitcast_convert_type(raw.reshape(raw.shape[:-1] + (-1, 4)), jnp.float32)
+
+
+def scaled(layout: _layout.WireLayout, messages: jax.Array, factor) -> jax.Array:
+  """``messages`` (rows, row_bytes) with every scale and exact float times ``factor``.
+
+  Each decoded element is a sign times its scale (or an exact float), so the
+  result decodes to ``factor`` times what ``messages`` decode to, rounded once:
+  the same bits as that product formed after decoding.
+  """
+  if layout.row_bytes == layout.chunk_bytes:
+    return messages
+  floats = scales_to_bytes(scales_from_bytes(messages[:, layout.chunk_bytes:]) * factor)
+  if not layout.chunk_bytes:
+    return floats
+  return jnp.concatenate([messages[:, :layout.chunk_bytes], floats], axis=1)
 
 
 def leaf_signs(u: jax.Array) -> jax.Array:
