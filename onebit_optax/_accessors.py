@@ -67,8 +67,7 @@ def moments(opt_state, params):
 
   For a 0/1 Adam state they are its ``mu`` (with local steps: the momentum of
   the last sync; each device's own is ``local_mu``) and ``nu``, raw; after a
-  compressed step (and after a sync without local steps and without weight
-  decay) the first moment is decoded from its ``momentum_message`` in the
+  compressed step (and, without weight decay, after a sync) the first moment is decoded from its ``momentum_message`` in the
   same way.
 
   Args:

@@ -29,16 +29,17 @@ def scales_from_bytes(raw: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(raw.reshape(raw.shape[:-1] + (-1, 4)), jnp.float32)
 
 
-def scaled(layout: _layout.WireLayout, messages: jax.Array, factor) -> jax.Array:
-  """``messages`` (rows, row_bytes) with every scale and exact float times ``factor``.
+def scaled(layout: _layout.WireLayout, messages: jax.Array, fn) -> jax.Array:
+  """``messages`` (rows, row_bytes) with ``fn`` applied to every scale and exact float.
 
-  Each decoded element is a sign times its scale (or an exact float), so the
-  result decodes to ``factor`` times what ``messages`` decode to, rounded once:
-  the same bits as that product formed after decoding.
+  Each decoded element is a sign times its scale (or an exact float), so for
+  an ``fn`` of products and quotients (``fn(-s) = -fn(s)``, rounded
+  symmetrically) the result decodes to ``fn`` of what ``messages`` decode to:
+  the same bits as ``fn`` applied after decoding.
   """
   if layout.row_bytes == layout.chunk_bytes:
     return messages
-  floats = scales_to_bytes(scales_from_bytes(messages[:, layout.chunk_bytes:]) * factor)
+  floats = scales_to_bytes(fn(scales_from_bytes(messages[:, layout.chunk_bytes:])))
   if not layout.chunk_bytes:
     return floats
   return jnp.concatenate([messages[:, :layout.chunk_bytes], floats], axis=1)

@@ -213,15 +213,17 @@ class _Old(NamedTuple):
 
 
 def _sync_in_message(hp: Hyper, plan: Plan) -> bool:
-  r"""A sync's ``m`` stays in its message: without local steps and without weight decay.
+  r"""A sync's ``m`` stays in its message: without weight decay.
 
-  There the restarted :math:`m` (:func:`_momentum_after_sync`, a learning
-  rate of 1) is :math:`-(1-\beta_1^t)\bar a`: the gathered messages with
-  every scale times :math:`-(1-\beta_1^t)` (:func:`_wire.scaled`, the same
-  bits), kept as a compressed step keeps its mean: no full-size write of
-  ``m``, and the next sync reads the message.
+  There the restarted :math:`m` (:func:`_momentum_after_sync`) is
+  :math:`-(1-\beta_1^t)\bar a/\sum\eta`: the gathered messages with every
+  scale so scaled (:func:`_wire.scaled`, the same bits), kept as a compressed
+  step keeps its mean: no full-size write of ``m``. Local steps leave it
+  there; the next sync reads it there (:func:`_synced_mu`), and so does its
+  restart of each device's momentum (:func:`_restarted`).
   """
-  return hp.local_steps is None and not any(plan.decays(i) for i in range(len(plan.layout.sizes)))
+  del hp  # (every configuration without a decay term)
+  return not any(plan.decays(i) for i in range(len(plan.layout.sizes)))
 
 
 def _synced_mu(hp: Hyper, plan: Plan, state, sched: Schedule, old: _Old) -> list:
@@ -392,7 +394,7 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, message, mu, nu, nu_
   else:
     lr_sum = state.lr_sum + sched.lr
     factor = jnp.where(sched.kind == LOCAL, jnp.where(sched.sync, -lr_sum, 0.0), -sched.lr)
-  in_message = _takes_message(hp, plan, sched)  # (m: the new message, decoded leaf by leaf)
+  in_message = _takes_message(hp, plan, state, sched)  # (m: the new message, decoded leaf by leaf)
   means = _groups.mean_leaves(plan.layout, message, sched.at)
   out = []
   for i, (m, v) in enumerate(zip(mu, nu)):
@@ -407,19 +409,36 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, message, mu, nu, nu_
   return out
 
 
-def _takes_message(hp: Hyper, plan: Plan, sched: Schedule) -> jax.Array:
-  """This step's ``m`` is its gathered message (:func:`_message`): a compressed step, or a sync that keeps it there."""
+def _lr_sum(hp: Hyper, state, sched: Schedule):
+  """The learning rates since the last sync, this step's included (1 without local steps: a sync every step, in direction units)."""
+  return 1.0 if hp.local_steps is None else state.lr_sum + sched.lr
+
+
+def _takes_message(hp: Hyper, plan: Plan, state, sched: Schedule) -> jax.Array:
+  """This step's ``m`` is its gathered message (:func:`_message`): a compressed step, or a sync that keeps it there.
+
+  (A sync after learning rates that sum to 0 keeps the old ``m``, as :func:`_onebit_mu`.)
+  """
   if _sync_in_message(hp, plan):
-    return (sched.kind == COMPRESSED) | _is_sync(sched)
+    return (sched.kind == COMPRESSED) | (_is_sync(sched) & (_lr_sum(hp, state, sched) > 0))
   return sched.kind == COMPRESSED
 
 
-def _message(hp: Hyper, plan: Plan, sched: Schedule, gathered, bc1) -> jax.Array:
-  """The gathered messages as this step's ``m``: a sync's (:func:`_sync_in_message`) scaled by :math:`-(1-\beta_1^t)`."""
+def _message(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, bc1) -> jax.Array:
+  """The gathered messages as this step's ``m``: a sync's (:func:`_sync_in_message`) scaled as :func:`_momentum_after_sync`."""
   if not _sync_in_message(hp, plan):
     return gathered
-  lr_sum = 1.0  # (the sync's learning rate, without local steps; see _momentum_after_sync)
-  return jnp.where(_is_sync(sched), _wire.scaled(plan.layout, gathered, -bc1 / lr_sum), gathered)
+  lr_sum = _lr_sum(hp, state, sched)
+  restart = _wire.scaled(plan.layout, gathered, lambda avg: -avg * bc1 / lr_sum)
+  return jnp.where(_is_sync(sched), restart, gathered)
+
+
+def _in_message_after(hp: Hyper, plan: Plan, state, sched: Schedule, takes, finite) -> jax.Array:
+  """Whether ``m`` lives in the momentum message after this step (:func:`_materialized_mu`, :func:`_sync_in_message`)."""
+  if not _sync_in_message(hp, plan):
+    return jnp.where(takes, finite | state.mu_in_message, False)
+  # (only a variance step writes m into mu; local steps and skipped syncs leave it where it is)
+  return jnp.where(sched.kind == VARIANCE, False, state.mu_in_message | (takes & finite))
 
 
 def _bounded_now(state, sched: Schedule) -> jax.Array:
@@ -452,12 +471,23 @@ def _local_step(hp: Hyper, plan: Plan, state, sched: Schedule, g32, old: _Old, b
                       lambda lm, acc: (lm, acc), old.local_mu, old.accumulator)
 
 
-def _restarted(hp: Hyper, plan: Plan, sched: Schedule, mu, local_mu, acc):
-  """After a sync every device restarts from the synced ``m`` with no progress; other steps pass them through."""
+def _restarted(hp: Hyper, plan: Plan, sched: Schedule, mu, local_mu, acc, after):
+  """After a sync every device restarts from the synced ``m`` with no progress; other steps pass them through.
+
+  ``after``: the step's new ``(momentum_message, mu_in_message)``; where ``m``
+  lives in the message (:func:`_sync_in_message`) it is decoded from there.
+  """
   if hp.local_steps is None:
     return None, None
   vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
-  restart = lambda lm, acc: ([vary(m) for m in mu], [jnp.zeros_like(a) for a in acc])
+
+  def synced():
+    if not _sync_in_message(hp, plan):
+      return mu
+    means = _groups.mean_leaves(plan.layout, after[0], sched.at)
+    return [jnp.where(after[1], means[i], m) for i, m in enumerate(mu)]
+
+  restart = lambda lm, acc: ([vary(m) for m in synced()], [jnp.zeros_like(a) for a in acc])
   return jax.lax.cond(_is_sync(sched), restart, lambda lm, acc: (lm, acc), local_mu, acc)
 
 
@@ -502,7 +532,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   variance step's moments, a sync's ``m``, the per-device buffers of local
   steps. So a step computes only its own kind's formulas. A compressed step's
   ``m`` is its gathered message (the new ``momentum_message``), and so is a
-  sync's without local steps and weight decay (scaled, :func:`_sync_in_message`). The update is
+  sync's without weight decay (scaled, :func:`_sync_in_message`). The update is
   one expression of the new moments for every kind (:func:`_updates`).
   """
   g32 = [g.astype(F32) for g in grads]
@@ -521,15 +551,16 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   mu, nu, nu_l1, finite = _variance_moments(hp, plan, state, sched, g32, finite, old)
   # (every later reader takes v's successor, never the old buffer that its writer overwrites)
   mu = _onebit_mu(hp, plan, state, sched, gathered, mu, nu, finite, old, bc1, bc2)
-  message = _message(hp, plan, sched, gathered, bc1)
+  message = _message(hp, plan, state, sched, gathered, bc1)
   updates = _updates(hp, plan, state, sched, message, mu, nu, nu_l1, finite, bc1, bc2, params)
   local_sent, worker_scale = _dropped(sched, finite, local_sent, scales, state.worker_scale)
   is_var = sched.kind == VARIANCE
-  takes = _takes_message(hp, plan, sched)
+  takes = _takes_message(hp, plan, state, sched)
   message = jnp.where(takes & finite, message, state.momentum_message)
-  in_message = jnp.where(takes, finite | state.mu_in_message, False)
+  in_message = _in_message_after(hp, plan, state, sched, takes, finite)
   wire = jnp.where(is_var, _bytes_allreduce(plan),
                    jnp.where(_sends_onebit(sched), _bytes_onebit(plan), 0.0)).astype(F32)
-  local_mu, accumulator = _restarted(hp, plan, sched, mu, local_mu, accumulator)
+  local_mu, accumulator = _restarted(hp, plan, sched, mu, local_mu, accumulator,
+                                     (message, in_message))
   return Result(updates, mu, nu, nu_l1, local_sent, worker_scale, server_error,
                 local_mu, accumulator, finite, wire, message, in_message)
