@@ -67,8 +67,8 @@ def moments(opt_state, params):
 
   For a 0/1 Adam state they are its ``mu`` (with local steps: the momentum of
   the last sync; each device's own is ``local_mu``) and ``nu``, raw; after a
-  compressed step (and, without weight decay, after a sync) the first moment is decoded from its ``momentum_message`` in the
-  same way.
+  compressed step the first moment is decoded from its ``momentum_message``
+  in the same way.
 
   Args:
     opt_state: the optimizer state, or any optax state that contains exactly one

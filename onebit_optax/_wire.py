@@ -12,8 +12,7 @@ from onebit_optax import _compressor
 from onebit_optax import _layout
 
 __all__ = ["leaf_signs", "leaf_rms", "group_signs", "group_rms", "rows", "message_leaf",
-           "message_group", "message_exact", "first_blocks", "Stream", "stream", "scales_to_bytes", "scales_from_bytes",
-           "scaled"]
+           "message_group", "message_exact", "first_blocks", "Stream", "stream", "scales_to_bytes", "scales_from_bytes"]
 
 _BLOCK = _layout.BLOCK
 
@@ -27,22 +26,6 @@ def scales_to_bytes(scales: jax.Array) -> jax.Array:
 def scales_from_bytes(raw: jax.Array) -> jax.Array:
   """Inverse of :func:`scales_to_bytes`."""
   return jax.lax.bitcast_convert_type(raw.reshape(raw.shape[:-1] + (-1, 4)), jnp.float32)
-
-
-def scaled(layout: _layout.WireLayout, messages: jax.Array, fn) -> jax.Array:
-  """``messages`` (rows, row_bytes) with ``fn`` applied to every scale and exact float.
-
-  Each decoded element is a sign times its scale (or an exact float), so for
-  an ``fn`` of products and quotients (``fn(-s) = -fn(s)``, rounded
-  symmetrically) the result decodes to ``fn`` of what ``messages`` decode to:
-  the same bits as ``fn`` applied after decoding.
-  """
-  if layout.row_bytes == layout.chunk_bytes:
-    return messages
-  floats = scales_to_bytes(fn(scales_from_bytes(messages[:, layout.chunk_bytes:])))
-  if not layout.chunk_bytes:
-    return floats
-  return jnp.concatenate([messages[:, :layout.chunk_bytes], floats], axis=1)
 
 
 def leaf_signs(u: jax.Array) -> jax.Array:

@@ -67,8 +67,8 @@ class ScaleByZeroOneAdamState(NamedTuple):
   local_counter: jax.Array  # shape=(), dtype=int32: local-phase steps since local_interval last doubled.
   since_sync: jax.Array  # shape=(), dtype=int32: local steps since the last sync.
   phase: jax.Array  # shape=(), dtype=int32: the last step: 0 variance, 1 compressed, 2 local, 3 sync; -1 none.
-  momentum_message: jax.Array  # shape=(n, row_bytes), dtype=uint8, replicated: m as the last compressed step's 1-bit mean (or a sync's, scaled: without weight decay).
-  mu_in_message: jax.Array  # shape=(), dtype=bool: m lives in momentum_message (compressed steps, such syncs), else in mu.
+  momentum_message: jax.Array  # shape=(n, row_bytes), dtype=uint8, replicated: m as the last compressed step's 1-bit mean.
+  mu_in_message: jax.Array  # shape=(), dtype=bool: m lives in momentum_message (compressed steps), else in mu.
   wire_bytes: jax.Array  # shape=(), dtype=float32: bytes this device sent in the last step.
   onebit_steps: jax.Array  # shape=(), dtype=int32: steps taken that sent the 1-bit exchange (compressed, sync).
   skipped_steps: jax.Array  # shape=(), dtype=int32: steps skipped (on all devices together) as non-finite.

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 from onebit_optax import _bounded
 from onebit_optax import _collective
 from onebit_optax import _groups
-from onebit_optax import _wire
 
 F32 = jnp.float32
 
@@ -212,34 +211,13 @@ class _Old(NamedTuple):
   params: Optional[list]
 
 
-def _sync_in_message(hp: Hyper, plan: Plan) -> bool:
-  r"""A sync's ``m`` stays in its message: without weight decay.
-
-  There the restarted :math:`m` (:func:`_momentum_after_sync`) is
-  :math:`-(1-\beta_1^t)\bar a/\sum\eta`: the gathered messages with every
-  scale so scaled (:func:`_wire.scaled`, the same bits), kept as a compressed
-  step keeps its mean: no full-size write of ``m``. Local steps leave it
-  there; the next sync reads it there (:func:`_synced_mu`), and so does its
-  restart of each device's momentum (:func:`_restarted`).
-  """
-  del hp  # (every configuration without a decay term)
-  return not any(plan.decays(i) for i in range(len(plan.layout.sizes)))
-
-
-def _synced_mu(hp: Hyper, plan: Plan, state, sched: Schedule, old: _Old) -> list:
-  """Per leaf, the synced ``m`` that a sync starts from: ``mu``, or the momentum message where ``m`` lives there."""
-  if not _sync_in_message(hp, plan):
-    return old.mu
-  means = _groups.mean_leaves(plan.layout, state.momentum_message, sched.at)
-  return [jnp.where(state.mu_in_message, means[i], m) for i, m in enumerate(old.mu)]
-
-
-def _outgoing_leaf(hp: Hyper, plan: Plan, sched: Schedule, old: _Old, i, mu, g, denominators, bc1):
+def _outgoing_leaf(hp: Hyper, plan: Plan, sched: Schedule, old: _Old, i, g, denominators, bc1):
   r"""What a sync sends of leaf ``i`` before its error feedback: :math:`a_i(\sqrt{\hat v}+\epsilon)`.
 
   :math:`a_i` is this device's progress after this step (:func:`_progress`),
-  from its own momentum (the synced ``m``, ``mu``, at the first local-phase step).
+  from its own momentum (the synced ``m`` at the first local-phase step).
   """
+  mu = old.mu[i]
   base = mu if old.local_mu is None else jnp.where(sched.fresh, mu, old.local_mu[i][0])
   acc = 0.0 if old.accumulator is None else old.accumulator[i][0]
   param = None if old.params is None else old.params[i]
@@ -272,9 +250,7 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
           value = lambda i: _momentum(hp, old.mu[i], g32[i])
         else:
           denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2, sched.at)
-          synced = _synced_mu(hp, plan, state, sched, old)
-          value = lambda i: _outgoing_leaf(hp, plan, sched, old, i, synced[i], g32[i], denominators,
-                                           bc1)
+          value = lambda i: _outgoing_leaf(hp, plan, sched, old, i, g32[i], denominators, bc1)
         stacked = lambda g, span: jnp.stack([value(layout.compressed[k]) for k in span])[None]
         exact = _groups.exact(layout, {i: value(i) for i in layout.exact})
       valid = jnp.logical_not(sched.fresh) if source == "sync" else True
@@ -329,29 +305,25 @@ def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, g32, finite
   return jax.lax.cond(sched.kind == VARIANCE, update, keep, old.mu, old.nu, finite)
 
 
-def _materialized_mu(hp: Hyper, plan: Plan, state, sched: Schedule, mu: list) -> list:
+def _materialized_mu(plan: Plan, state, sched: Schedule, mu: list) -> list:
   """``m`` written into ``mu`` from the momentum message, before any step but a compressed one reads ``mu``.
 
   A compressed step keeps its 1-bit mean of ``m`` as the message itself (as
   1-bit Adam does): no full-size write of ``m``. The other kinds read and
   write ``m`` as float32, so the first of them after compressed steps decodes
   it here (the message's exact leaves are exact); other steps pass ``mu``
-  through. A sync that keeps ``m`` in its message (:func:`_sync_in_message`)
-  reads it there (:func:`_synced_mu`).
+  through.
   """
   def decode(mu):
     means = _groups.mean_leaves(plan.layout, state.momentum_message, sched.at)
     return [m if plan.kind(i)[0] == "z" else means[i] for i, m in enumerate(mu)]
 
-  reads_mu = sched.kind == VARIANCE if _sync_in_message(hp, plan) else sched.kind != COMPRESSED
-  return jax.lax.cond(state.mu_in_message & reads_mu, decode, lambda mu: mu, mu)
+  return jax.lax.cond(state.mu_in_message & (sched.kind != COMPRESSED), decode, lambda mu: mu, mu)
 
 
 def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, finite,
                old: _Old, bc1, bc2):
-  """``m`` after a sync (restarted); other steps pass it through (a compressed step's ``m`` is its message, and so is a sync's that keeps it there)."""
-  if _sync_in_message(hp, plan):
-    return mu
+  """``m`` after a sync (restarted); other steps pass it through (a compressed step's ``m`` is its message)."""
   lr_sum = state.lr_sum + sched.lr
 
   def synced(mu):
@@ -367,7 +339,7 @@ def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, 
   return jax.lax.cond(_is_sync(sched) & finite, synced, lambda mu: mu, mu)
 
 
-def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, message, mu, nu, nu_l1, finite,
+def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, nu_l1, finite,
              bc1, bc2, params) -> list:
   r"""Every kind's update, one expression from the new ``m`` and ``v`` with per-kind scalars.
 
@@ -394,51 +366,19 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, message, mu, nu, nu_
   else:
     lr_sum = state.lr_sum + sched.lr
     factor = jnp.where(sched.kind == LOCAL, jnp.where(sched.sync, -lr_sum, 0.0), -sched.lr)
-  in_message = _takes_message(hp, plan, state, sched)  # (m: the new message, decoded leaf by leaf)
-  means = _groups.mean_leaves(plan.layout, message, sched.at)
+  is_compressed = sched.kind == COMPRESSED  # (m: the new message, decoded leaf by leaf)
+  means = _groups.mean_leaves(plan.layout, gathered, sched.at)
   out = []
   for i, (m, v) in enumerate(zip(mu, nu)):
     if plan.kind(i)[0] == "z":
       out.append(_zeros_like(m))
       continue
-    d = _bounded.bounded_step(jnp.where(in_message, means[i], m), v, floor[i], scalars)
+    d = _bounded.bounded_step(jnp.where(is_compressed, means[i], m), v, floor[i], scalars)
     if params is not None and plan.decays(i):
       decay = hp.weight_decay * params[i].astype(F32)
       d = d + jnp.where(v <= decay_still_to, 0.0, decay)
     out.append(d if factor is None else factor * d)
   return out
-
-
-def _lr_sum(hp: Hyper, state, sched: Schedule):
-  """The learning rates since the last sync, this step's included (1 without local steps: a sync every step, in direction units)."""
-  return 1.0 if hp.local_steps is None else state.lr_sum + sched.lr
-
-
-def _takes_message(hp: Hyper, plan: Plan, state, sched: Schedule) -> jax.Array:
-  """This step's ``m`` is its gathered message (:func:`_message`): a compressed step, or a sync that keeps it there.
-
-  (A sync after learning rates that sum to 0 keeps the old ``m``, as :func:`_onebit_mu`.)
-  """
-  if _sync_in_message(hp, plan):
-    return (sched.kind == COMPRESSED) | (_is_sync(sched) & (_lr_sum(hp, state, sched) > 0))
-  return sched.kind == COMPRESSED
-
-
-def _message(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, bc1) -> jax.Array:
-  """The gathered messages as this step's ``m``: a sync's (:func:`_sync_in_message`) scaled as :func:`_momentum_after_sync`."""
-  if not _sync_in_message(hp, plan):
-    return gathered
-  lr_sum = _lr_sum(hp, state, sched)
-  restart = _wire.scaled(plan.layout, gathered, lambda avg: -avg * bc1 / lr_sum)
-  return jnp.where(_is_sync(sched), restart, gathered)
-
-
-def _in_message_after(hp: Hyper, plan: Plan, state, sched: Schedule, takes, finite) -> jax.Array:
-  """Whether ``m`` lives in the momentum message after this step (:func:`_materialized_mu`, :func:`_sync_in_message`)."""
-  if not _sync_in_message(hp, plan):
-    return jnp.where(takes, finite | state.mu_in_message, False)
-  # (only a variance step writes m into mu; local steps and skipped syncs leave it where it is)
-  return jnp.where(sched.kind == VARIANCE, False, state.mu_in_message | (takes & finite))
 
 
 def _bounded_now(state, sched: Schedule) -> jax.Array:
@@ -471,23 +411,12 @@ def _local_step(hp: Hyper, plan: Plan, state, sched: Schedule, g32, old: _Old, b
                       lambda lm, acc: (lm, acc), old.local_mu, old.accumulator)
 
 
-def _restarted(hp: Hyper, plan: Plan, sched: Schedule, mu, local_mu, acc, after):
-  """After a sync every device restarts from the synced ``m`` with no progress; other steps pass them through.
-
-  ``after``: the step's new ``(momentum_message, mu_in_message)``; where ``m``
-  lives in the message (:func:`_sync_in_message`) it is decoded from there.
-  """
+def _restarted(hp: Hyper, plan: Plan, sched: Schedule, mu, local_mu, acc):
+  """After a sync every device restarts from the synced ``m`` with no progress; other steps pass them through."""
   if hp.local_steps is None:
     return None, None
   vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
-
-  def synced():
-    if not _sync_in_message(hp, plan):
-      return mu
-    means = _groups.mean_leaves(plan.layout, after[0], sched.at)
-    return [jnp.where(after[1], means[i], m) for i, m in enumerate(mu)]
-
-  restart = lambda lm, acc: ([vary(m) for m in synced()], [jnp.zeros_like(a) for a in acc])
+  restart = lambda lm, acc: ([vary(m) for m in mu], [jnp.zeros_like(a) for a in acc])
   return jax.lax.cond(_is_sync(sched), restart, lambda lm, acc: (lm, acc), local_mu, acc)
 
 
@@ -531,8 +460,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   (:func:`_write_sent`), the 1-bit exchange (:func:`_onebit_exchange`), the
   variance step's moments, a sync's ``m``, the per-device buffers of local
   steps. So a step computes only its own kind's formulas. A compressed step's
-  ``m`` is its gathered message (the new ``momentum_message``), and so is a
-  sync's without weight decay (scaled, :func:`_sync_in_message`). The update is
+  ``m`` is its gathered message (the new ``momentum_message``). The update is
   one expression of the new moments for every kind (:func:`_updates`).
   """
   g32 = [g.astype(F32) for g in grads]
@@ -542,7 +470,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   bc2 = v_correction(hp, state.variance_updates, state.variance_step)  # v held: not a variance step
   old = _Old(jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), leaves_or_none(state.local_mu),
              leaves_or_none(state.accumulator), params)
-  old = old._replace(mu=_materialized_mu(hp, plan, state, sched, old.mu))
+  old = old._replace(mu=_materialized_mu(plan, state, sched, old.mu))
   local_mu, accumulator = _local_step(hp, plan, state, sched, g32, old, bc1, bc2)
   old = old._replace(local_mu=local_mu, accumulator=accumulator)  # (the same values: read after)
   local_sent, exact = _write_sent(hp, plan, g32, state, sched, old, bc1, bc2)
@@ -551,16 +479,14 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   mu, nu, nu_l1, finite = _variance_moments(hp, plan, state, sched, g32, finite, old)
   # (every later reader takes v's successor, never the old buffer that its writer overwrites)
   mu = _onebit_mu(hp, plan, state, sched, gathered, mu, nu, finite, old, bc1, bc2)
-  message = _message(hp, plan, state, sched, gathered, bc1)
-  updates = _updates(hp, plan, state, sched, message, mu, nu, nu_l1, finite, bc1, bc2, params)
+  updates = _updates(hp, plan, state, sched, gathered, mu, nu, nu_l1, finite, bc1, bc2, params)
   local_sent, worker_scale = _dropped(sched, finite, local_sent, scales, state.worker_scale)
   is_var = sched.kind == VARIANCE
-  takes = _takes_message(hp, plan, state, sched)
-  message = jnp.where(takes & finite, message, state.momentum_message)
-  in_message = _in_message_after(hp, plan, state, sched, takes, finite)
+  is_compressed = sched.kind == COMPRESSED
+  message = jnp.where(is_compressed & finite, gathered, state.momentum_message)
+  in_message = jnp.where(is_compressed, finite | state.mu_in_message, False)
   wire = jnp.where(is_var, _bytes_allreduce(plan),
                    jnp.where(_sends_onebit(sched), _bytes_onebit(plan), 0.0)).astype(F32)
-  local_mu, accumulator = _restarted(hp, plan, sched, mu, local_mu, accumulator,
-                                     (message, in_message))
+  local_mu, accumulator = _restarted(hp, plan, sched, mu, local_mu, accumulator)
   return Result(updates, mu, nu, nu_l1, local_sent, worker_scale, server_error,
                 local_mu, accumulator, finite, wire, message, in_message)

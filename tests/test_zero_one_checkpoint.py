@@ -88,7 +88,7 @@ def test_restore_onto_another_device_count_keeps_moments_and_schedule(tmp_path, 
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
                         getattr(old, name), getattr(new, name))
     assert all(jax.tree.leaves(same)), name
-  # m after a sync lives in the momentum message (no local steps): the move decodes it into mu
+  # m as moments() reads it (decoded from the momentum message where it lives there)
   same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
                       onebit_optax.moments(state, params), onebit_optax.moments(moved, params))
   assert all(jax.tree.leaves(same))
