@@ -80,6 +80,7 @@ import onebit_optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import _provenance  # noqa: E402
+from step_profile import _array_bytes as _shape_bytes  # noqa: E402  (bytes of the HLO shapes in a text)
 
 LR = 1e-3
 FREEZE = 12
@@ -213,17 +214,6 @@ def time_all(cands, grads, repeats: int) -> tuple[dict, dict]:
         assert _phase(s) == name.split()[-1], (name, _phase(s))
       live[name] = [p, s]
   return times, {name: (c[0], *live[name]) for name, c in cands.items()}
-
-
-_SHAPE = re.compile(r"(f32|s32|u8|pred|u32|s8|f16|bf16)\[([0-9,]*)\]")
-_BYTES = {"f32": 4, "s32": 4, "u32": 4, "u8": 1, "s8": 1, "pred": 1, "f16": 2, "bf16": 2}
-
-
-def _shape_bytes(text: str) -> int:
-  total = 0
-  for dtype, dims in _SHAPE.findall(text):
-    total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-  return total
 
 
 def hlo_facts(step, params, state, grads) -> dict:

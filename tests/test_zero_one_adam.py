@@ -837,9 +837,12 @@ def test_weight_decay_known_to_be_0_follows_the_traced_path(H):
       static_args=("axis_name", "var_freeze_step", "local_steps", "local_step_scaler"))
 
   def run(tx):
+    @jax.jit
+    def step(params, state, k):
+      updates, state = tx.update(jax.tree.map(lambda x: jnp.sin(3.0 * x + k), params), state, params)
+      return optax.apply_updates(params, updates), state
+
     params = {"w": jnp.linspace(-1.0, 1.0, 300).reshape(30, 10), "b": jnp.ones(5)}
-    step = jax.jit(lambda p, s, k: (lambda u, s: (optax.apply_updates(p, u), s))(
-        *tx.update(jax.tree.map(lambda x: jnp.sin(3.0 * x + k), p), s, p)))
     state, out = tx.init(params), []
     for k in range(16):
       params, state = step(params, state, k)
