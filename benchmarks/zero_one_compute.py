@@ -177,25 +177,33 @@ def _into_run(step, params, state, grads, kind: str, length: int, limit: int = 4
   raise RuntimeError(f"no run of {length} {kind} steps within {limit} steps")
 
 
+NAMES = ("adam", "1-bit warmup", "1-bit compression") + tuple(f"0/1 {kind}" for kind in KINDS)
+
+
+def _optimizer(name: str, axis):
+  if name == "adam":
+    return optax.adam(LR)
+  if name.startswith("1-bit"):
+    return onebit_optax.onebit_adam(LR, axis_name=axis, freeze=NEVER if name.endswith("warmup") else 1)
+  return onebit_optax.zero_one_adam(LR, axis_name=axis, **KINDS[name.split()[-1]])
+
+
+def contestant(name: str, size: int, grads, mesh=None, repeats: int = 1, leaves: int = 0):
+  """(step, params, state) of contestant ``name`` (:data:`NAMES`), trained on into a run of its kind."""
+  tx, onebit = _optimizer(name, None if mesh is None else AXIS), name != "adam"
+  params = place(make_tree(size, 0, leaves), mesh)
+  state = _init(tx, params, mesh, onebit)
+  step = _step(tx, mesh, state, onebit)
+  if name.startswith("0/1"):
+    return (step, *_into_run(step, params, state, grads, name.split()[-1], repeats + 1))
+  for _ in range(3):
+    params, state = step(params, state, grads)
+  return step, params, state
+
+
 def contestants(size: int, grads, mesh=None, repeats: int = 1, leaves: int = 0):
   """name -> (step, params, state): each trains on from its state, one kind of step per name."""
-  out, axis = {}, None if mesh is None else AXIS
-  for name, tx in (("adam", optax.adam(LR)),
-                   ("1-bit warmup", onebit_optax.onebit_adam(LR, axis_name=axis, freeze=10**9)),
-                   ("1-bit compression", onebit_optax.onebit_adam(LR, axis_name=axis, freeze=1))):
-    params = place(make_tree(size, 0, leaves), mesh)
-    state = _init(tx, params, mesh, name != "adam")
-    step = _step(tx, mesh, state, name != "adam")
-    for _ in range(3):
-      params, state = step(params, state, grads)
-    out[name] = (step, params, state)
-  for kind, schedule in KINDS.items():
-    tx = onebit_optax.zero_one_adam(LR, axis_name=axis, **schedule)
-    params = place(make_tree(size, 0, leaves), mesh)
-    state = _init(tx, params, mesh, True)
-    step = _step(tx, mesh, state, True)
-    out[f"0/1 {kind}"] = (step, *_into_run(step, params, state, grads, kind, repeats + 1))
-  return out
+  return {name: contestant(name, size, grads, mesh, repeats, leaves) for name in NAMES}
 
 
 def time_all(cands, grads, repeats: int) -> tuple[dict, dict]:

@@ -75,6 +75,7 @@ RESULT_TITLES = {
     "digits_gap": "Digits: where the gap to AdamW comes from",
     "step_profile": "Where a train step's time goes, kernel by kernel",
     "step_profile_leaves": "Where a train step's time goes: 300 leaves",
+    "device_tables": "Compile, compute and memory on one GPU",
 }
 
 # What each benchmark measures, shown above its generated page (prose only: the

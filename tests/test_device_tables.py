@@ -1,0 +1,38 @@
+"""benchmarks/device_tables.py, the prepared run for a lent GPU, runs on a CPU at tiny sizes: its
+tables have every contestant, and the memory columns read what the states hold."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows(text: str, title: str) -> dict:
+  """name -> the cells of the markdown table that follows the line starting with ``title``."""
+  block = text.split(title, 1)[1].split("\n\n", 2)[1]
+  rows = [line.strip("|").split("|") for line in block.splitlines()[2:]]
+  return {r[0].strip(): [c.strip() for c in r[1:]] for r in rows}
+
+
+def test_device_tables_on_a_cpu(tmp_path):
+  out = tmp_path / "tables.md"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_tables.py"), "--sizes", "1e4",
+                  "--leaves", "2", "--leaves-size", "0", "--repeats", "2", "--out", str(out)],
+                 check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
+  text = out.read_text()
+  assert re.search(r"device cpu", text)
+  compiled = _rows(text, "**Compile**")
+  assert set(compiled) == {"adam", "onebit", "zero_one"} and compiled["adam"][1] == "1.00"
+  steps = _rows(text, "**Step, 10,000 parameters, the 6-leaf")
+  assert list(steps) == ["adam", "1-bit warmup", "1-bit compression", "0/1 variance",
+                         "0/1 compressed", "0/1 local", "0/1 sync", "adam again"]
+  state = {name: float(cells[3]) for name, cells in steps.items()}
+  # optax.adam holds mu and nu; both optimizers add one per-device buffer (one device: no
+  # server error) and the message; 0/1 Adam's local steps add each device's momentum and progress
+  assert state["adam"] == 2.0
+  assert all(3.0 < state[n] < 3.1 for n in ("1-bit warmup", "0/1 sync"))
+  assert 5.0 < state["0/1 local"] < 5.1
