@@ -1,5 +1,6 @@
 """benchmarks/device_tables.py, the prepared run for a lent GPU, runs on a CPU at tiny sizes: its
-tables have every contestant, and the memory columns read what the states hold."""
+tables have every contestant, and the memory columns read what the states hold. Also the ZeRO-1
+warmup lab."""
 
 import os
 import re
@@ -36,3 +37,17 @@ def test_device_tables_on_a_cpu(tmp_path):
   assert state["adam"] == 2.0
   assert all(3.0 < state[n] < 3.1 for n in ("1-bit warmup", "0/1 sync"))
   assert 5.0 < state["0/1 local"] < 5.1
+
+
+def test_zero1_warmup_lab_matches_adam_with_half_the_state(tmp_path):
+  """benchmarks/zero1_warmup_lab.py (issue 25, item 4's route, not the package): Adam with its
+  moments sharded over a 2-device mesh gives optax.adam + pmean's parameters and holds 2 D/n."""
+  out = tmp_path / "lab.md"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  subprocess.run([sys.executable, str(ROOT / "benchmarks" / "zero1_warmup_lab.py"), "--size", "1e4",
+                  "--repeats", "2", "--out", str(out)],
+                 check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
+  text = out.read_text()
+  assert float(re.search(r"after 3 steps: ([0-9.e+-]+)\.", text).group(1)) < 1e-6
+  rows = _rows(text, "Largest |zero1")
+  assert [float(rows[n][2]) for n in ("adam + pmean", "zero1")] == [2.0, 1.0]

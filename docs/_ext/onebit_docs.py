@@ -76,6 +76,8 @@ RESULT_TITLES = {
     "step_profile": "Where a train step's time goes, kernel by kernel",
     "step_profile_leaves": "Where a train step's time goes: 300 leaves",
     "device_tables": "Compile, compute and memory on one GPU",
+    "zero1_warmup_lab": "Lab: Adam's warmup with its moments sharded (ZeRO-1)",
+    "zero1_warmup_lab_leaves": "Lab: Adam's warmup with its moments sharded, 300 leaves",
 }
 
 # What each benchmark measures, shown above its generated page (prose only: the
