@@ -48,6 +48,6 @@ def test_zero1_warmup_lab_matches_adam_with_half_the_state(tmp_path):
                   "--repeats", "2", "--out", str(out)],
                  check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
   text = out.read_text()
-  assert float(re.search(r"after 3 steps: ([0-9.e+-]+)\.", text).group(1)) < 1e-6
+  assert float(re.search(r"after 3 steps[^:]*: ([0-9.e+-]+)\.", text).group(1)) < 1e-6
   rows = _rows(text, "Largest |zero1")
-  assert [float(rows[n][2]) for n in ("adam + pmean", "zero1")] == [2.0, 1.0]
+  assert [float(rows[n][2]) for n in ("adam + pmean", "zero1", "zero1, per group")] == [2.0, 1.0, 1.0]
