@@ -120,19 +120,34 @@ def _parsed(text: str) -> tuple[dict, dict]:
   return computations, instructions
 
 
+def _read_bytes(name: str, users_of: dict, instructions: dict, whole: int) -> int:
+  """Bytes a fused computation reads of ``name``: ``whole``, or only what slices take of it.
+
+  Followed through bitcasts and slices of slices (a static slice of the message
+  whose one user is a dynamic slice of one leaf's blocks reads that leaf's
+  blocks); a ``dynamic-update-slice`` into it is an in-place write, no read.
+  """
+  users = users_of.get(name, [])
+  through = lambda u: instructions[u]["opcode"] in _SLICES + ("bitcast",)
+  in_place = lambda u: (instructions[u]["opcode"] == "dynamic-update-slice" and
+                        instructions[u]["operands"][0] == name)
+  if not users or not all(through(u) or in_place(u) for u in users):
+    return whole
+  return sum(_read_bytes(u, users_of, instructions, instructions[u]["bytes"])
+             for u in users if through(u))
+
+
 def _fusion_bytes(fusion: dict, body: list, instructions: dict) -> int:
   """Bytes a fusion reads (its operands; only the slices of one read through slices) and writes."""
   size = lambda n: instructions[n]["bytes"] if n in instructions else 0
   params = sorted((n for n in body if instructions[n]["opcode"] == "parameter"),
                   key=lambda n: instructions[n]["number"])
-  total = 0
-  for param, operand in zip(params, fusion["operands"]):
-    users = [instructions[n] for n in body if param in instructions[n]["operands"]]
-    in_place = lambda u: u["opcode"] == "dynamic-update-slice" and u["operands"][0] == param
-    if users and all(u["opcode"] in _SLICES or in_place(u) for u in users):
-      total += sum(u["bytes"] for u in users if u["opcode"] in _SLICES)
-    else:
-      total += size(operand)
+  users_of = {}
+  for n in body:
+    for o in instructions[n]["operands"]:
+      users_of.setdefault(o, []).append(n)
+  total = sum(_read_bytes(param, users_of, instructions, size(operand))
+              for param, operand in zip(params, fusion["operands"]))
   root = instructions[next(n for n in body if instructions[n]["root"])]
   results = [instructions[n] for n in root["operands"]] if root["opcode"] == "tuple" else [root]
   return total + sum(size(r["operands"][1]) if r["opcode"] == "dynamic-update-slice"

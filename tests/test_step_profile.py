@@ -66,9 +66,12 @@ def _moved(fn, *args, donate=()):
 
 def test_memory_traffic_counts_reads_and_writes():
   """Against hand counts: an elementwise pass reads its operands and writes its result; a pass
-  that reads a slice reads the slice; an update of a donated buffer in place writes the update."""
+  that reads a slice reads the slice (a slice of it, that); an update of a donated buffer in place writes the update."""
   x, y = jnp.ones(1000), jnp.ones(1000)
   assert _moved(lambda x, y: x * 2 + y, x, y) == 3 * 4000
   assert _moved(lambda x: x[:100] * 2, x) == 2 * 400
   update = lambda x, y, i: jax.lax.dynamic_update_slice(x, y[:10] * 2, (i,))
   assert _moved(update, x, y, jnp.int32(5), donate=(0,)) == 40 + 4 + 40  # (the index too)
+  # a slice of a slice (through a bitcast) reads the inner slice: a leaf's blocks of the message
+  rows = lambda x, i: jax.lax.dynamic_slice_in_dim(x[:512].reshape(32, 16), i, 2) * 2
+  assert _moved(rows, x, jnp.int32(3)) == 2 * 16 * 4 + 4 + 2 * 16 * 4
