@@ -8,8 +8,8 @@
 Everything runs on jax's default backend, one device (the GPU where there is
 one), so that the same script answers "what does it cost there" in one call
 (the GPU machine's image has jax, optax, flax, chex and orbax; the package
-comes from the checkout, hence ``PYTHONPATH=.``; the copy there may lack git metadata, hence
-``--commit``):
+comes from the checkout, hence ``PYTHONPATH=.``; the copy there may lack git
+metadata, hence ``--commit``):
 
 1. **Compile**: trace + lower + compile of the train step at ``--leaves``
    leaves of ``compile_time.py``'s 20 shapes, built as there (a ``shard_map``
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import compile_time as ct  # (sets 8 host devices for XLA:CPU; the default backend is unchanged)
-import zero_one_compute as zc  # noqa: E402
+import zero_one_compute as zc
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
