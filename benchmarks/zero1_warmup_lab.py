@@ -46,6 +46,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import _provenance  # noqa: E402
+from onebit_optax import _layout  # noqa: E402
 import zero_one_compute as zc  # noqa: E402  (its tree; one XLA intra-op thread)
 
 AXIS = "data"
@@ -94,14 +95,11 @@ def _group(xs, gs, m, v, bc1, bc2) -> tuple:
 
 
 def _groups(params, per_group: bool) -> list:
-  """Lists of leaf positions: one per leaf, or up to 8 leaves of one shape (in order of first leaf)."""
-  leaves = jax.tree.leaves(params)
+  """Lists of leaf positions: one per leaf, or the package's groups (``WireLayout.groups``)."""
   if not per_group:
-    return [[i] for i in range(len(leaves))]
-  by_shape = {}
-  for i, x in enumerate(leaves):
-    by_shape.setdefault(x.shape, []).append(i)
-  return [idx[c:c + 8] for idx in by_shape.values() for c in range(0, len(idx), 8)]
+    return [[i] for i in range(len(jax.tree.leaves(params)))]
+  layout = _layout.wire_layout_for(params, DEVICES, exact_below=0)  # (every leaf in a group)
+  return [[layout.compressed[k] for k in span] for span in layout.groups]
 
 
 def zero1(mesh, params, per_group=False):

@@ -66,7 +66,8 @@ def _moved(fn, *args, donate=()):
 
 def test_memory_traffic_counts_reads_and_writes():
   """Against hand counts: an elementwise pass reads its operands and writes its result; a pass
-  that reads a slice reads the slice (a slice of it, that); an update of a donated buffer in place writes the update."""
+  that reads a slice reads the slice (a slice of it, that); an update of a donated buffer in
+  place writes the update."""
   x, y = jnp.ones(1000), jnp.ones(1000)
   assert _moved(lambda x, y: x * 2 + y, x, y) == 3 * 4000
   assert _moved(lambda x: x[:100] * 2, x) == 2 * 400
