@@ -196,7 +196,7 @@ def _gradient_sum(plan: _groups.Plan, grads):
   if axes.slow is None:
     return grads, 1.0
   if not axes.hierarchical:
-    return jax.lax.psum(grads, axes.slow), 1.0 / axes.n_slow
+    return _collective.psum_leaves(grads, axes.slow, axes.n_slow), 1.0 / axes.n_slow
   bits, order = plan.layout.bits, plan.layout.compressed  # (every leaf: none is exact)
   ordered = [grads[i] for i in order]  # in the stream's order, group after group
   flat = _collective.full_precision_mean(bits.flatten(ordered), axes.data)

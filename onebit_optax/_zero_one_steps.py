@@ -292,7 +292,8 @@ def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, g32, finite
   scale = 1.0 / plan.axes.n_slow
 
   def update(mu, nu, finite):
-    total = g32 if plan.axes.slow is None else jax.lax.psum(g32, plan.axes.slow)
+    total = (g32 if plan.axes.slow is None else
+             _collective.psum_leaves(g32, plan.axes.slow, plan.axes.n_slow))
     finite = finite & _finite_mean(hp, plan, total)
     decay = variance_decay(hp, state, sched.count)
     mu = [jnp.where(finite, hp.b1 * m + (1.0 - hp.b1) * (t * scale), m) for m, t in zip(mu, total)]
