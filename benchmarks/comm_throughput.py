@@ -451,7 +451,10 @@ def _zero_one_lines(run: dict, compute_zo: dict | None, pred: dict, schedules: l
       "received and the jax.distributed coordinator's traffic). Times: rank 0's steps, "
       "median and quartiles. Compute alone: the same schedule with each rank on its own "
       "1-device mesh, all at once (no collective; the 1-device exchange still packs and "
-      "unpacks the signs).", "",
+      "unpacks the signs), timed last, unsynchronized: a rank's core-mate may have finished "
+      "(the run pins two ranks to a core), and untimed reads and waits sit between its "
+      "windows, so these times can fall below Adam's back-to-back compute alone; read them "
+      "as a lower bound.", "",
       "| phase | what moves | steps timed (windows) | median s/step | q25-q75 | steps/s | "
       "vs Adam | compute alone s/step | bytes sent/rank/step (measured) | predicted | "
       "optimizer's wire_bytes | measured/predicted |",
@@ -571,8 +574,10 @@ def _report(args, runs: list[dict], compute: dict, num_params: int, leaf_shapes:
       "message is the rank's own row): t_compress leaves out the server's work on its "
       f"1/{n} chunk (decode the {n} rows, average, re-compress), which the model below adds "
       "from the profile when --profile ran. "
-      "Adam's compute skips the pmean; 1-bit warmup keeps the package's 1-participant "
-      "all-reduce (a copy XLA does not remove).",
+      "Adam's compute skips the pmean; so does the package on one device (the sum over one "
+      "device is the gradients themselves where nothing types them: before b6f3095 a "
+      "1-participant all-reduce, which doubled the warmup's compute here). The ranks are not "
+      "synchronized: a rank whose core-mate has finished runs alone.",
       "",
       "| step | median s/step (rank 0) | repeats min-max | x Adam |",
       "|---|---:|---:|---:|",
