@@ -364,7 +364,10 @@ def _zero_one_summary(results: list[dict], bytes_divisor: float = 1.0) -> dict |
         "tx_bytes": sum(per_rank["tx_bytes"]) / len(results), "tx_bytes_ranks": per_rank["tx_bytes"],
         "rx_bytes": sum(per_rank["rx_bytes"]) / len(results),
         "lo_tx_bytes": sum(per_rank["lo_tx_bytes"]) / len(results),
-        "state_wire_bytes": _median(wire) if wire else None}
+        "state_wire_bytes": _median(wire) if wire else None,
+        # (a window's first step follows the untimed wait; the others run back to back)
+        "first_s": _median([w["step_s"][0] for w in wins0]),
+        "rest_s": _median([t for w in wins0 for t in w["step_s"][1:]] or [float("nan")])}
   return out
 
 
@@ -470,6 +473,9 @@ def _zero_one_lines(run: dict, compute_zo: dict | None, pred: dict, schedules: l
         f"{t_adam / x['step_s']:.2f}x | {c['step_s'] if c else float('nan'):.3f} | "
         f"{_fmt_bytes(x['tx_bytes'])} | {_fmt_bytes(pred[name])} | "
         f"{_fmt_bytes(wire) if wire is not None else '-'} | {ratio} |")
+  lines += ["", "A window's first step (after the wait) against its later steps, median s/step: "
+            + ", ".join(f"{name} {x['first_s']:.3f} / {x['rest_s']:.3f}"
+                        for name, x in z["phases"].items() if "first_s" in x) + "."]
   lines += ["", f"Adam in the same run: {t_adam:.3f} s/step ({1 / t_adam:.2f} steps/s); "
             f"1-bit Adam's compression phase {s['onebit_compression']['step_s']:.3f} s/step."
             if "onebit_compression" in s else ""]
