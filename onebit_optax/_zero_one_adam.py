@@ -151,7 +151,8 @@ def _schedule(hp: _steps.Hyper, state: ScaleByZeroOneAdamState) -> _steps.Schedu
   kind = jnp.where(is_var, _steps.VARIANCE, _steps.COMPRESSED)
   kind = jnp.where(frozen, _steps.LOCAL, kind).astype(jnp.int32)
   fresh = frozen & (state.phase < _steps.LOCAL)
-  if hp.local_steps is None:  # after the freeze, a sync every step, in direction units
+  if hp.local_steps is None:  # after the freeze every step is a sync of one step: a compressed step
+    kind = jnp.where(frozen, _steps.COMPRESSED, kind).astype(jnp.int32)
     return _steps.Schedule(kind, frozen, fresh, count, jnp.float32(1))
   lr = hp.learning_rate(state.count) if callable(hp.learning_rate) else hp.learning_rate
   return _steps.Schedule(kind, frozen & (state.since_sync + 1 >= state.local_interval), fresh,
@@ -347,19 +348,19 @@ def scale_by_zero_one_adam(
   with :math:`v = 0` stays put.
 
   **After** :math:`T_v` (:math:`v` frozen), without local steps, every step is
-  a **sync** of one step (DeepSpeed's local steps at interval 1, below, kept
-  in direction units): each device's step
-  :math:`-(d_i + \lambda\theta)\,\delta` (:math:`\delta = \sqrt{\max(\hat v,
-  f\,\overline{\hat v}_\ell)}+\epsilon`, the floored denominator), with
-  :math:`d_i` from its momentum :math:`\beta_1 m + (1-\beta_1) g_i`, goes
-  through the 1-bit mean, and :math:`m` restarts from the mean. This
-  compresses the momentum, as 1-bit Adam does after its freeze: on the digits
-  MLP, compressing the gradient for the rest of the run from an early freeze
-  (T_v = 15 of 300, the first version of this code) cost +28% held-out loss
-  against AdamW (3 seeds), these syncs -1.9 ± 7.2% (6 seeds, within their
-  spread; ``benchmarks/results/zero_one_volume.md``). The error feedback
-  restarts at the first of them (its buffers held the compressed steps'
-  errors, in other units).
+  a **sync** of one step (DeepSpeed's local steps at interval 1): each
+  device's momentum :math:`\beta_1 m + (1-\beta_1) g_i` goes through the 1-bit
+  mean with error feedback and :math:`m` is the mean, :math:`v` held: the
+  compressed step's formulas and program (1-bit Adam's compression phase),
+  which ``status`` reports as ``'sync'``. This compresses the momentum, as
+  1-bit Adam does after its freeze: on the digits MLP, compressing the
+  gradient for the rest of the run from an early freeze (T_v = 15 of 300, the
+  first version of this code) cost +28% held-out loss against AdamW (3
+  seeds), these syncs -1.9 ± 7.2% (6 seeds, within their spread;
+  ``benchmarks/results/zero_one_volume.md``). The error feedback restarts at
+  the first of them: carried over from the compressed steps (whose momentum
+  the variance steps overwrote in between) it cost the char GPT of
+  ``benchmarks/convergence.py`` +5% validation loss (CHANGELOG).
 
   **Local steps** (``local_steps=H``, after :math:`T_v`): each device runs its
   own Adam step on its own copy of the parameters,

@@ -46,7 +46,8 @@ class Schedule(NamedTuple):
   """Which step this is, from replicated counters only (every device agrees: no deadlock)."""
 
   kind: jax.Array  # () int32: VARIANCE, COMPRESSED or LOCAL (the branch taken).
-  sync: jax.Array  # () bool: a local-phase step that ends with the 1-bit sync.
+  sync: jax.Array  # () bool: a sync (with local steps: a LOCAL step that ends with the 1-bit sync;
+  #   without them every step after the freeze, taken as a COMPRESSED step).
   fresh: jax.Array  # () bool: the first local-phase step (the error feedback restarts).
   count: jax.Array  # () int32: this step's number (1 for the first).
   lr: jax.Array  # () float32: this step's learning rate (local steps; else 0).
@@ -217,21 +218,20 @@ def _outgoing_leaf(hp: Hyper, plan: Plan, sched: Schedule, old: _Old, i, g, deno
   :math:`a_i` is this device's progress after this step (:func:`_progress`),
   from its own momentum (the synced ``m`` at the first local-phase step).
   """
-  mu = old.mu[i]
-  base = mu if old.local_mu is None else jnp.where(sched.fresh, mu, old.local_mu[i][0])
-  acc = 0.0 if old.accumulator is None else old.accumulator[i][0]
+  base = jnp.where(sched.fresh, old.mu[i], old.local_mu[i][0])
   param = None if old.params is None else old.params[i]
-  a = _progress(hp, plan, i, _momentum(hp, base, g), old.nu[i], denominators[i], bc1, acc, param,
-                sched.lr)
+  a = _progress(hp, plan, i, _momentum(hp, base, g), old.nu[i], denominators[i], bc1,
+                old.accumulator[i][0], param, sched.lr)
   return a * denominators[i]
 
 
 def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, bc1, bc2):
   """Stage 1 of a compressed step or a sync: what each device sends, written over ``local_sent``.
 
-  A compressed step sends its momentum :math:`\\beta_1 m + (1-\\beta_1) g_i + e_i`,
-  a sync its scaled progress (:func:`_outgoing_leaf`) :math:`+ e_i` (no
-  :math:`e_i` at the first sync after the freeze). Returns ``(local_sent, exact)``:
+  A compressed step (and a sync without local steps, which is one) sends its
+  momentum :math:`\\beta_1 m + (1-\\beta_1) g_i + e_i`, a sync with local steps
+  its scaled progress (:func:`_outgoing_leaf`) :math:`+ e_i` (no :math:`e_i`
+  at the first step after the freeze). Returns ``(local_sent, exact)``:
   the groups (other steps pass them through) and the exact leaves' float32
   values (zeros on other steps). The false branch of each ``lax.cond`` passes
   the buffers through, the form XLA writes in place (as 1-bit Adam's switch).
@@ -253,7 +253,7 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
           value = lambda i: _outgoing_leaf(hp, plan, sched, old, i, g32[i], denominators, bc1)
         stacked = lambda g, span: jnp.stack([value(layout.compressed[k]) for k in span])[None]
         exact = _groups.exact(layout, {i: value(i) for i in layout.exact})
-      valid = jnp.logical_not(sched.fresh) if source == "sync" else True
+      valid = jnp.logical_not(sched.fresh)
       groups = []
       for g, (span, u) in enumerate(zip(layout.groups, local)):
         scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
@@ -270,8 +270,10 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
                               state.local_sent, g32)
   local, first = jax.lax.cond(is_compressed & jnp.logical_not(in_message), values("mu"), keep,
                               local, g32)
-  local, synced = jax.lax.cond(_is_sync(sched), values("sync"), keep, local, g32)
   exact = jnp.where(in_message, exact, first)
+  if hp.local_steps is None:  # (no other sync: every step after the freeze is a compressed one)
+    return local, exact
+  local, synced = jax.lax.cond(_is_sync(sched), values("sync"), keep, local, g32)
   return local, jnp.where(is_compressed, exact, synced)
 
 
@@ -324,7 +326,9 @@ def _materialized_mu(plan: Plan, state, sched: Schedule, mu: list) -> list:
 
 def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, finite,
                old: _Old, bc1, bc2):
-  """``m`` after a sync (restarted); other steps pass it through (a compressed step's ``m`` is its message)."""
+  """``m`` after a sync with local steps (restarted); other steps pass it through (a compressed step's ``m`` is its message)."""
+  if hp.local_steps is None:
+    return mu
   lr_sum = state.lr_sum + sched.lr
 
   def synced(mu):
@@ -332,8 +336,6 @@ def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, 
     denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2, sched.at)
     restarted = lambda i: _momentum_after_sync(hp, plan, i, means[i], denominators[i], bc1,
                                                lr_sum, old.params)
-    if hp.local_steps is None:  # every step is a sync, of learning rate 1: lr_sum is 1
-      return [m if plan.kind(i)[0] == "z" else restarted(i) for i, m in enumerate(mu)]
     return [m if plan.kind(i)[0] == "z" else jnp.where(lr_sum > 0, restarted(i), m)
             for i, m in enumerate(mu)]
 
@@ -448,11 +450,11 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   :math:`m = \mathrm{compressed\_mean}_i(u_i)`, ``v`` unchanged.
 
   **Local step** (no communication), or a **sync**: the local step, then the
-  1-bit mean of the progress (:func:`_momentum_after_sync`). Without local
-  steps (after the freeze) every step is a sync, in direction units
-  (``sched.lr`` is 1, the chain's learning rate follows), with no per-device
-  momentum or accumulator kept between steps. A non-finite mean drops the
-  interval on every device.
+  1-bit mean of the progress (:func:`_momentum_after_sync`). A non-finite
+  mean drops the interval on every device. Without local steps every step
+  after the freeze is a sync of one step, taken as a compressed step
+  (``sched.kind`` COMPRESSED, ``sched.sync`` True): the sync's own branches
+  are not traced.
 
   The step is a chain of stages, each a ``lax.cond`` on replicated scalars
   whose false branch passes its full-size buffers through (the form XLA

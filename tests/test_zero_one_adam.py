@@ -204,6 +204,11 @@ class _Simulation:
     self._apply(d)
     self.wire_bytes = _flat.onebit_warmup_bytes(SIZES, N)
 
+  def _restart_feedback(self):
+    self.sent = [{k: np.zeros(SHAPES[k], F32) for k in self.wire.compressed} for _ in range(N)]
+    self.scale = [{k: F32(0) for k in self.wire.compressed} for _ in range(N)]
+    self.wire.server_error[:] = 0
+
   def _feedback(self, i, k):
     prev = self.sent[i][k]
     return prev - _signed(prev, self.scale[i][k])
@@ -236,8 +241,7 @@ class _Simulation:
     fresh = self.phase in ("none", "variance", "compressed")
     grads = self.grads(True)
     bc1, bc2 = F32(1) - F32(B1) ** t, self._bc2()
-    # Without local steps: a sync every step, in direction units (the chain applies -LR).
-    lr = F32(LR) if self.H is not None else F32(1)
+    lr = F32(LR)
     for i in range(N):
       for k in NAMES:
         base = self.mu[k] if fresh else self.local_mu[i][k]
@@ -250,13 +254,11 @@ class _Simulation:
           d = d + F32(WD) * theta
         self.acc[i][k] = (self.acc[i][k] - lr * d).astype(F32)
     self.lr_sum = F32(self.lr_sum + lr)
-    sync = self.H is None or self.since + 1 >= self.l_interval
+    sync = self.since + 1 >= self.l_interval
     self.wire_bytes = 0.0
     if sync:
-      if fresh:  # the error buffers held the gradients' errors: they restart
-        self.sent = [{k: np.zeros(SHAPES[k], F32) for k in self.wire.compressed} for _ in range(N)]
-        self.scale = [{k: F32(0) for k in self.wire.compressed} for _ in range(N)]
-        self.wire.server_error[:] = 0
+      if fresh:  # the error buffers held the compressed steps' errors: they restart
+        self._restart_feedback()
       denominator = {k: np.sqrt(np.maximum(self.nu[k] / bc2, F32(FLOOR) * self.nu_l1[k] / (
           F32(max(self.nu[k].size, 1)) * bc2))) + F32(EPS) for k in NAMES}
       scaled = [{k: (self.acc[i][k] * denominator[k]).astype(F32) for k in NAMES} for i in range(N)]
@@ -273,8 +275,6 @@ class _Simulation:
         limit = F32(BOUND) * self.lr_sum
         move = np.clip(mean[k] / denominator[k] + decay, -limit, limit) - decay
         move = np.where(self.nu[k] > 0, move, F32(0)).astype(F32)
-        if self.H is None:  # the transformation returns -move, the chain scales it by -LR
-          move = ((-F32(LR)) * (-move)).astype(F32)
         self.p[k] = (self.p[k] + move).astype(F32)
         for i in range(N):
           self.local_mu[i][k] = self.mu[k].copy()
@@ -283,7 +283,7 @@ class _Simulation:
     else:
       self.since += 1
     self.l_counter += 1
-    if self.H is not None and self.l_counter == self.scaler:
+    if self.l_counter == self.scaler:
       self.l_counter, self.l_interval = 0, min(self.H, 2 * self.l_interval)
     return sync
 
@@ -294,6 +294,11 @@ class _Simulation:
     if not frozen and t % self.interval == 0:
       self._variance(t)
       self.phase = "variance"
+    elif frozen and self.H is None:  # a sync of one step: each device's momentum, 1-bit mean
+      if self.phase in ("variance", "compressed"):  # the first: the error feedback restarts
+        self._restart_feedback()
+      self._compressed(t)
+      self.phase = "sync"
     elif frozen:
       self.phase = "sync" if self._local(t) else "local"
     else:
@@ -893,7 +898,8 @@ def test_move_state_to_another_device_count(H, steps, phase, tmp_path):
   for _ in range(steps):  # step 22: a sync (with H = 4: syncs at 20, 22, 26); 11: compressed
     params, state, _ = step(params, state, c, t)
   assert onebit_optax.status(state).phase == phase
-  assert bool(_inner(state).mu_in_message) == (phase == "compressed")
+  # (m lives in the message after a compressed step, a sync without local steps being one)
+  assert bool(_inner(state).mu_in_message) == (phase == "compressed" or H is None)
   tx = _tx(H)
   mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   host_params = jax.tree.map(np.asarray, params)
