@@ -514,8 +514,8 @@ def _zero_one_lines(run: dict, compute_zo: dict | None, pred: dict, schedules: l
                  f"{_fmt_bytes(r['tx_bytes_per_step'])} | "
                  f"{_fmt_bytes(r['predicted_bytes_per_step'])} |")
   lines += ["", "The last schedule's syncs are timed here with local steps (local_steps="
-            f"{z['hyper'].get('local_steps')}); without local steps the sync is the same 1-bit "
-            "exchange, of one step's progress.", ""]
+            f"{z['hyper'].get('local_steps')}); without local steps a sync is a compressed step "
+            "(the same program since 68b5d3f): the compressed row.", ""]
   return lines
 
 

@@ -46,14 +46,15 @@ def stored_tasks(path: str = STORED) -> dict:
     return {t["name"]: t for t in json.load(f)["tasks"]}
 
 
-def run(task_names: list, seeds: int | None, path: str) -> dict:
-  """0/1 Adam at each task's stored setting and lr, on its first ``seeds`` evaluation seeds."""
+def run(task_names: list, seeds: int | None, path: str, seed_set: str = "eval") -> dict:
+  """0/1 Adam at each task's stored setting and lr, on its first ``seeds`` evaluation (or selection) seeds."""
   stored = stored_tasks()
   mesh = jax.make_mesh((len(jax.devices()),), (_conv_runner.AXIS,))
-  out = dict(commit=_provenance.git_commit(), load=list(os.getloadavg()), tasks={})
+  out = dict(commit=_provenance.git_commit(), load=list(os.getloadavg()), seed_set=seed_set,
+             tasks={})
   for task in _conv_tasks.make_tasks(task_names):
     ref = stored[task.name]
-    fresh = ref["eval_seeds"][:seeds]
+    fresh = ref[f"{'eval' if seed_set == 'eval' else 'selection'}_seeds"][:seeds]
     runner = _conv_runner.Runner(task, mesh, ref["b2"])
     wall = time.time()
     finals = {}
@@ -88,7 +89,8 @@ def report(new_path: str, old_path: str) -> str:
   new, old = (json.load(open(p)) for p in (new_path, old_path))
   stored = stored_tasks()
   lines = [
-      "#### 0/1 Adam, two versions paired on the convergence benchmark's evaluation seeds", "",
+      f"#### 0/1 Adam, two versions paired on the convergence benchmark's "
+      f"{new.get('seed_set', 'eval').replace('eval', 'evaluation')} seeds", "",
       f"New: {new['commit']} (load {_load(new)}); "
       f"old: {old['commit']} (load {_load(old)}). Each task at the "
       "setting and AdamW's learning rate stored in benchmarks/results/convergence.json; "
@@ -100,7 +102,10 @@ def report(new_path: str, old_path: str) -> str:
   for name, t in new["tasks"].items():
     a = {int(s): v for s, v in t["finals"].items()}
     b = {int(s): v for s, v in old["tasks"][name]["finals"].items()}
-    adamw = {r["seed"]: r["final_val"] for r in stored[name]["eval"]["adamw"]}
+    ref = stored[name]
+    runs = (ref["eval"]["adamw"] if new.get("seed_set", "eval") == "eval"
+            else ref["adamw"][str(ref["best_lr"])])  # (the sweep's runs at the chosen lr)
+    adamw = {r["seed"]: r["final_val"] for r in runs}
     fmt = lambda m, se, n: f"{m:+.2f}% ± {se:.2f}%"
     seeds = sorted(set(a) & set(b))
     lines.append(
@@ -113,7 +118,9 @@ def report(new_path: str, old_path: str) -> str:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--tasks", default="gpt,mlm,digits")
-  parser.add_argument("--seeds", type=int, default=None, help="the first N evaluation seeds")
+  parser.add_argument("--seeds", type=int, default=None, help="the first N seeds of the set")
+  parser.add_argument("--seed-set", choices=("eval", "selection"), default="eval",
+                      help="the evaluation seeds (compare) or the selection seeds (choose)")
   parser.add_argument("--json", default=None, help="where run writes its final losses")
   parser.add_argument("--report", nargs=2, metavar=("NEW", "OLD"), default=None)
   parser.add_argument("--out", default=None)
@@ -126,7 +133,7 @@ def main(argv=None):
     print(text)
     return
   assert args.json, "--json is required for a run"
-  run(args.tasks.split(","), args.seeds, args.json)
+  run(args.tasks.split(","), args.seeds, args.json, args.seed_set)
 
 
 if __name__ == "__main__":
