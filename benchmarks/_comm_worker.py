@@ -440,7 +440,8 @@ def _rank(args):
     results["modes"]["onebit_compression"] = out["compression"]
   if "zero_one" in modes:
     hyper = dict(var_freeze_step=args.zo_freeze, var_update_scaler=args.zo_scaler,
-                 local_steps=args.zo_local_steps, local_step_scaler=args.zo_local_scaler)
+                 local_steps=args.zo_local_steps or None,  # (0: no local steps)
+                 local_step_scaler=args.zo_local_scaler)
     results["zero_one"] = _time_zero_one(bench, flat, "data", hyper, args.zo_steps, args.settle)
   if "hier" in modes:
     out = _time_onebit(bench, mesh2, hier_axis, time_warmup=False)

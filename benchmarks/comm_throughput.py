@@ -125,7 +125,7 @@ def _parse_args(argv=None):
   p.add_argument("--zo-scaler", type=int, default=zo["var_update_scaler"],
                  help="0/1 Adam's var_update_scaler (default %(default)s)")
   p.add_argument("--zo-local-steps", type=int, default=zo["local_steps"],
-                 help="0/1 Adam's local_steps H (default %(default)s)")
+                 help="0/1 Adam's local_steps H, 0 for None (default %(default)s)")
   p.add_argument("--zo-local-scaler", type=int, default=zo["local_step_scaler"],
                  help="0/1 Adam's local_step_scaler (default %(default)s)")
   p.add_argument("--zo-steps", type=int, default=_comm_worker.ZERO_ONE_STEPS,

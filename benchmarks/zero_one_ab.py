@@ -84,13 +84,14 @@ def _load(run_json: dict) -> str:
   return f"{fmt(run_json['load'])} -> {fmt(run_json['load_end'])}"
 
 
-def report(new_path: str, old_path: str) -> str:
+def report(new_path: str, old_path: str, note: str | None = None) -> str:
   """The paired table of two runs of :func:`run` (and both against the stored AdamW runs)."""
   new, old = (json.load(open(p)) for p in (new_path, old_path))
   stored = stored_tasks()
   lines = [
       f"#### 0/1 Adam, two versions paired on the convergence benchmark's "
       f"{new.get('seed_set', 'eval').replace('eval', 'evaluation')} seeds", "",
+      *([note, ""] if note else []),
       f"New: {new['commit']} (load {_load(new)}); "
       f"old: {old['commit']} (load {_load(old)}). Each task at the "
       "setting and AdamW's learning rate stored in benchmarks/results/convergence.json; "
@@ -123,10 +124,11 @@ def main(argv=None):
                       help="the evaluation seeds (compare) or the selection seeds (choose)")
   parser.add_argument("--json", default=None, help="where run writes its final losses")
   parser.add_argument("--report", nargs=2, metavar=("NEW", "OLD"), default=None)
+  parser.add_argument("--note", default=None, help="a line under the report's title: what differs")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   if args.report:
-    text = report(*args.report)
+    text = report(*args.report, note=args.note)
     if args.out:
       with open(args.out, "w") as f:
         f.write(text)
