@@ -27,8 +27,9 @@ minutes. What it does:
    0/1 Adam (``--modes`` with zero_one, the default) runs on its real schedule
    (zero_one_adam with ``--zo-freeze`` 40, ``--zo-scaler`` 4, ``--zo-local-steps``
    8, ``--zo-local-scaler`` 4; ``--zo-steps`` 72): variance steps (float32
-   all-reduce), compressed steps (1-bit gradient), then after the freeze local
-   steps (no collective) and syncs (1-bit mean of the accumulated progress).
+   all-reduce), compressed steps (1-bit momentum), then after the freeze local
+   steps (no collective) and syncs (1-bit mean of the accumulated progress; without local
+   steps a sync is a compressed step).
    Every step is timed; its phase is read from the state (as status(state).phase
    does) and checked against the schedule; the interface counters are read at
    each change of phase, after a short untimed pause (``--settle``) so that a
@@ -315,7 +316,8 @@ PHASES = (("v", "variance"), ("c", "compressed"), ("l", "local"), ("s", "sync"))
 PHASE_WHAT = {"variance": "float32 all-reduce of the gradient, Adam's m and v",
               "compressed": "1-bit mean of the momentum (v fixed)",
               "local": "own Adam step on this rank's copy, no collective",
-              "sync": "1-bit mean of the accumulated progress"}
+              "sync": "1-bit mean of the accumulated progress (without local steps: of the "
+                      "momentum, a compressed step)"}
 
 
 def _quantile(xs, q):
