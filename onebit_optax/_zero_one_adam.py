@@ -356,8 +356,11 @@ def scale_by_zero_one_adam(
   1-bit Adam does after its freeze: on the digits MLP, compressing the
   gradient for the rest of the run from an early freeze (T_v = 15 of 300, the
   first version of this code) cost +28% held-out loss against AdamW (3
-  seeds), these syncs -1.9 ± 7.2% (6 seeds, within their spread;
-  ``benchmarks/results/zero_one_volume.md``). The error feedback restarts at
+  seeds), syncs -1.9 ± 7.2% (6 seeds, within their spread;
+  ``benchmarks/results/zero_one_volume.md``; measured with the earlier sync,
+  which sent each device's progress and gave the same loss as this one within
+  the seeds' standard errors on the convergence benchmark's three tasks,
+  ``benchmarks/results/zero_one_ab_sync.md``). The error feedback restarts at
   the first of them: carried over from the compressed steps (whose momentum
   the variance steps overwrote in between) it cost the char GPT of
   ``benchmarks/convergence.py`` +5% validation loss (CHANGELOG).
@@ -419,7 +422,8 @@ def scale_by_zero_one_adam(
   twice the learning-rate warmup W was chosen (DeepSpeed: 100000). Against
   tuned AdamW it ended -2.6% (s.e. 0.3%) on the char GPT, -1.8% (1.1%) on the
   MLM and +0.4% (2.5%) on the digits MLP, with 1.3x, 3.1x and 1.9x fewer bytes
-  than :func:`onebit_adam`. On the selection seeds :math:`T_v` = W sent
+  than :func:`onebit_adam` (the earlier sync; this one, same seeds and setting:
+  -2.5%, -2.2%, -1.4% against the stored AdamW runs, ``zero_one_ab_sync.md``). On the selection seeds :math:`T_v` = W sent
   0.8-0.9x the bytes of 2W and was worse on all three tasks (mean over the tasks
   +3.6% against AdamW, 2W +0.4%); :math:`\kappa` = 1 sent 1.3x fewer bytes
   than :math:`\kappa` = 4 and was worse on two tasks of three; local steps
