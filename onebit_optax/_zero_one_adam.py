@@ -423,9 +423,9 @@ def scale_by_zero_one_adam(
   tuned AdamW it ended -2.6% (s.e. 0.3%) on the char GPT, -1.8% (1.1%) on the
   MLM and +0.4% (2.5%) on the digits MLP, with 1.3x, 3.1x and 1.9x fewer bytes
   than :func:`onebit_adam` (the earlier sync; this one, same seeds and setting:
-  -2.5%, -2.2%, -1.4% against the stored AdamW runs, ``zero_one_ab_sync.md``). On the selection seeds :math:`T_v` = W sent
-  0.8-0.9x the bytes of 2W and was worse on all three tasks (mean over the tasks
-  +3.6% against AdamW, 2W +0.4%); :math:`\kappa` = 1 sent 1.3x fewer bytes
+  -2.5%, -2.2%, -1.4% against the stored AdamW runs, ``zero_one_ab_sync.md``).
+  On the selection seeds :math:`T_v` = W sent 0.8-0.9x the bytes of 2W and was
+  worse on all three tasks (mean over the tasks +3.6% against AdamW, 2W +0.4%); :math:`\kappa` = 1 sent 1.3x fewer bytes
   than :math:`\kappa` = 4 and was worse on two tasks of three; local steps
   (:math:`H` = 2, scaler 32) sent 0.6-0.7x the bytes at a higher loss on all
   three. The

@@ -48,7 +48,7 @@ class Schedule(NamedTuple):
   kind: jax.Array  # () int32: VARIANCE, COMPRESSED or LOCAL (the branch taken).
   sync: jax.Array  # () bool: a sync (with local steps: a LOCAL step that ends with the 1-bit sync;
   #   without them every step after the freeze, taken as a COMPRESSED step).
-  fresh: jax.Array  # () bool: the first local-phase step (the error feedback restarts).
+  fresh: jax.Array  # () bool: the first step after the freeze (the error feedback restarts).
   count: jax.Array  # () int32: this step's number (1 for the first).
   lr: jax.Array  # () float32: this step's learning rate (local steps; else 0).
   at: Any = None  # _groups.Offsets: where this step reads each leaf's pieces (set by step()).
