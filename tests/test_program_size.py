@@ -144,11 +144,12 @@ def test_onebit_adam_kernels_grow_with_groups_not_leaves():
 def test_more_groups_of_the_same_shapes_add_no_per_leaf_kernels(make_tx, per_group):
   # 8 and 16 leaves of each shape: one group of GROUP_LEAVES per shape, then two alike.
   # What may grow: a few kernels a group, the full-size passes that build what a group
-  # sends at constant offsets (the momenta from the message; 0/1 Adam's also from m and a
-  # sync's progress, stacked leaf by leaf), and one a shape (the per-shape sums: one
-  # variadic reduction of all its leaves). Nothing a leaf: 8 more leaves of a shape add
-  # at most per_group + 1 kernels. Measured (2 devices, jax 0.10.2): 1-bit Adam
-  # 245 -> 265, 0/1 Adam 351 -> 411.
+  # sends at constant offsets (the momenta from the message; 0/1 Adam's also from m, and
+  # with local steps a sync's progress, stacked leaf by leaf), and one a shape (the
+  # per-shape sums: one variadic reduction of all its leaves). Nothing a leaf: 8 more
+  # leaves of a shape add at most per_group + 1 kernels. Measured (2 devices, jax 0.10.2):
+  # 1-bit Adam 245 -> 265, 0/1 Adam without local steps 289 -> 329 (351 -> 411 when its
+  # syncs had their own branch).
   per_shape = _layout.GROUP_LEAVES
   few, many = _kernels(make_tx, per_shape * len(SHAPES)), _kernels(make_tx, 2 * per_shape * len(SHAPES))
   assert many <= few + (per_group + 1) * len(SHAPES), (few, many)
