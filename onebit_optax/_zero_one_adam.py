@@ -422,7 +422,7 @@ def scale_by_zero_one_adam(
   twice the learning-rate warmup W was chosen (DeepSpeed: 100000). Against
   tuned AdamW it ended -2.5% (s.e. 0.5%) on the char GPT, -2.2% (0.9%) on the
   MLM and -1.4% (2.5%) on the digits MLP, with 1.25x, 3.1x and 1.9x fewer bytes
-  than :func:`onebit_adam` (rerun at ed184c1; the earlier sync, 1ea734d: -2.6%,
+  than :func:`onebit_adam` (rerun at c9fbf57; the earlier sync, 1ea734d: -2.6%,
   -1.8%, +0.4%).
   On the selection seeds :math:`T_v` = W sent 0.8-0.9x the bytes of 2W and was
   worse on all three tasks (mean over the tasks +3.6% against AdamW, 2W +0.4%); :math:`\kappa` = 1 sent 1.3x fewer bytes
