@@ -33,7 +33,8 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _conv_runner  # pylint: disable=g-import-not-at-top
+import _conv_report  # pylint: disable=g-import-not-at-top
+import _conv_runner
 import _conv_tasks
 import _provenance
 
@@ -72,10 +73,9 @@ def run(task_names: list, seeds: int | None, path: str, seed_set: str = "eval") 
 
 def _paired(a: dict, b: dict) -> tuple:
   """Mean and standard error of the relative difference a/b - 1 over the seeds both hold (percent)."""
-  seeds = sorted(set(a) & set(b))
-  rel = np.array([a[s] / b[s] - 1.0 for s in seeds]) * 100
-  se = rel.std(ddof=1) / np.sqrt(len(rel)) if len(rel) > 1 else float("nan")
-  return float(rel.mean()), float(se), len(seeds)
+  recs = lambda finals: [dict(seed=s, final_val=v) for s, v in finals.items()]
+  stats = _conv_report.paired_stats(recs(a), recs(b))
+  return stats["mean"], stats["se"], stats["n"]
 
 
 def _load(run_json: dict) -> str:
