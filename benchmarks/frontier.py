@@ -99,6 +99,15 @@ class Store:
       self.doc["runs"] = [r for r in self.doc["runs"] if not any(r is o for o in old)]
       self.save()
 
+  def rerun(self, labels, commit: str) -> None:
+    """Moves the evaluation runs of ``labels`` to ``superseded``: their code changed at ``commit``."""
+    old = [r for r in self.doc["runs"] if r["label"] in labels and r["phase"] == "eval"]
+    for r in old:
+      r["reason"] = f"rerun at {commit}: the code changed"
+    self.doc.setdefault("superseded", []).extend(old)
+    self.doc["runs"] = [r for r in self.doc["runs"] if not any(r is o for o in old)]
+    self.save()
+
   def add(self, rec: dict) -> None:
     self.doc["runs"].append(rec)
     self.save()
@@ -199,6 +208,9 @@ def parse_args(argv=None):
   p.add_argument("--diloco-select", nargs="*", default=[], metavar="TASK=SEEDS",
                  help="DiLoCo's outer lr chosen on the first SEEDS selection seeds of TASK "
                  "(default: all of them), e.g. gpt=1")
+  p.add_argument("--rerun", nargs="+", default=[], metavar="LABEL",
+                 help="first move these contestants' evaluation runs (e.g. '0/1 Adam') to "
+                 "`superseded`, marked with the commit, so that they run again on today's code")
   p.add_argument("--out", default=str(RESULTS / "frontier.json"))
   p.add_argument("--report-only", action="store_true")
   p.add_argument("--time", action="store_true",
@@ -214,6 +226,8 @@ def main(argv=None):
   if args.time:
     measure_compute(args, store)
   elif not args.report_only:
+    if args.rerun:
+      store.rerun(args.rerun, _conv_report._git_describe())
     train(args, store)
   import _frontier_report  # pylint: disable=g-import-not-at-top
   _frontier_report.write(store.doc, Path(args.out).with_suffix(""))
