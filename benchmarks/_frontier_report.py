@@ -25,12 +25,21 @@ def _mean_std(x) -> str:
   return f"{x.mean():.4f} ± {x.std(ddof=1):.4f}" if len(x) > 1 else f"{x.mean():.4f}"
 
 
+ORDER = ("AdamW", "1-bit Adam", "0/1 Adam", "0/1 Adam, local steps")  # then DiLoCo by H
+
+
+def _rank(label: str):
+  if label in ORDER:
+    return (ORDER.index(label), 0)
+  return (len(ORDER), int(label.split("H=")[-1]) if "H=" in label else 0)
+
+
 def contestants(doc, task) -> dict:
-  """label -> its evaluation runs, in the order they ran (AdamW first)."""
+  """label -> its evaluation runs: AdamW, the package's optimizers, DiLoCo by H (a rerun keeps its row)."""
   out = {}
   for r in _by(doc, task, "eval"):
     out.setdefault(r["label"], []).append(r)
-  return out
+  return dict(sorted(out.items(), key=lambda item: _rank(item[0])))
 
 
 def rows(doc, task) -> list[dict]:
