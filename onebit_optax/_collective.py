@@ -537,7 +537,7 @@ def serve(received: jax.Array, server_error: jax.Array, bits: _layout.FlatLayout
   w = jnp.where(chunk_valid, chunk_sum / n_slow + server_error.reshape(-1, block), 0.0)
   server_scales = _compressor.segment_rms(
       w, local_segment, _chunk_slice(tables.segment_count, chunk_index, segments))
-  parts = [jnp.packbits(w.reshape(-1) >= 0, bitorder=_compressor._BITORDER),
+  parts = [_compressor.pack_signs(w.reshape(-1)),
            _wire.scales_to_bytes(server_scales)]
   if exact_chunk:
     floats = _wire.scales_from_bytes(received[:, chunk_bytes + 4 * segments:])
@@ -659,7 +659,7 @@ def compressed_average(x, worker_error, server_error, axis_name, *, layout,
   # device r of the slow axis.
   u = _error_compensated(x, worker_error, layout.valid(part.block_valid), block)
   scales = _compressor.segment_rms(u, part.segment, part.segment_count)
-  packed = jnp.packbits(u.reshape(-1) >= 0, bitorder=_compressor._BITORDER)
+  packed = _compressor.pack_signs(u.reshape(-1))
   rows = jnp.concatenate([packed.reshape(n_slow, chunk_bytes),
                           _wire.scales_to_bytes(scales.reshape(n_slow, segments))], 1)
   if slow is not None:

