@@ -170,6 +170,26 @@ def test_documented_signs_of_zero_nan_and_subnormals():
                              1e18, rtol=1e-6)
 
 
+def test_long_axes_pack_words_into_the_same_bytes():
+  # From WORDS_FROM elements pack_signs forms uint32 words: the bytes must be packbits' own,
+  # edge values included, along any axis (a group (leaves, size) packs along axis 1).
+  n = _compressor.WORDS_FROM
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((2, n)).astype(np.float32)
+  edges = np.array([0.0, -0.0, np.nan, -np.nan, 1e-40, -1e-40, np.inf, -np.inf], np.float32)
+  x[:, :edges.size] = edges
+  x[1, 4096:4096 + edges.size] = edges[::-1]
+  # (XLA:CPU flushes subnormals to zero, the sign of -1e-40 included: documented above)
+  expected = np.packbits(_flush(x) >= 0, axis=1, bitorder="little")
+  np.testing.assert_array_equal(np.asarray(_compressor.pack_signs(jnp.asarray(x), axis=1)), expected)
+  np.testing.assert_array_equal(  # the short-axis path (packbits) agrees on every value
+      np.asarray(jnp.packbits(jnp.asarray(x) >= 0, axis=1, bitorder="little")), expected)
+  np.testing.assert_array_equal(np.asarray(_compressor.pack_signs(jnp.asarray(x.T), axis=0)),
+                                expected.T)
+  packed, _ = _compressor.sign_compress(jnp.asarray(x[0]))
+  np.testing.assert_array_equal(np.asarray(packed), expected[0])
+
+
 @settings(max_examples=15, deadline=None)
 @given(st.sampled_from([jnp.bfloat16, jnp.float16]),
        hnp.array_shapes(min_dims=0, max_dims=2, min_side=0, max_side=9),
