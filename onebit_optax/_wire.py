@@ -31,10 +31,7 @@ def scales_from_bytes(raw: jax.Array) -> jax.Array:
 def leaf_signs(u: jax.Array) -> jax.Array:
   """The packed signs of one leaf (any shape), padded to whole 128-element blocks (16 B each)."""
   flat = jnp.ravel(u)
-  pad = -flat.shape[0] % _BLOCK
-  if pad:  # (padding packs as positive, as the signs of zeros)
-    flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])
-  return _compressor.pack_signs(flat)
+  return _compressor.pack_signs(flat, pad=-flat.shape[0] % _BLOCK)
 
 
 def leaf_rms(u: jax.Array) -> jax.Array:
@@ -45,10 +42,7 @@ def leaf_rms(u: jax.Array) -> jax.Array:
 def group_signs(u: jax.Array) -> jax.Array:
   """The packed signs of a group ``(leaves, *shape)``: :func:`leaf_signs` of each leaf, concatenated."""
   flat = u.reshape(u.shape[0], -1)
-  pad = -flat.shape[1] % _BLOCK
-  if pad:  # (padding packs as positive, as the signs of zeros)
-    flat = jnp.concatenate([flat, jnp.zeros((u.shape[0], pad), flat.dtype)], axis=1)
-  return _compressor.pack_signs(flat, axis=1).reshape(-1)
+  return _compressor.pack_signs(flat, axis=1, pad=-flat.shape[1] % _BLOCK).reshape(-1)
 
 
 def group_rms(u: jax.Array) -> jax.Array:
