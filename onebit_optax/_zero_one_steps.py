@@ -285,10 +285,8 @@ def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, g32, finite
   """A variance step's float32 mean gradient and Adam's ``m``, ``v`` (and ``nu_l1``) of it; else passed through.
 
   The all-reduce runs inside the branch, where its result is consumed (one
-  tuple all-reduce of the leaves; the ``1/n`` fused into the moments). After
-  compressed steps ``m`` is read off their last message in the same pass
-  (:func:`_current_mu`). A non-finite mean keeps the moments (``m`` as that
-  message held it). ``finite`` is the 1-bit exchange's (True
+  tuple all-reduce of the leaves; the ``1/n`` fused into the moments). A
+  non-finite mean keeps the moments. ``finite`` is the 1-bit exchange's (True
   where none ran), an operand so that this conditional, which overwrites
   ``m`` and ``v``, is ordered after :func:`_write_sent`, which reads them.
   Returns ``(mu, nu, nu_l1, finite)``, ``finite`` now both flags.
@@ -300,7 +298,6 @@ def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, g32, finite
              _collective.psum_leaves(g32, plan.axes.slow, plan.axes.n_slow))
     finite = finite & _finite_mean(hp, plan, total)
     decay = variance_decay(hp, state, sched.count)
-    mu = _current_mu(plan, state, sched, mu)
     mu = [jnp.where(finite, hp.b1 * m + (1.0 - hp.b1) * (t * scale), m) for m, t in zip(mu, total)]
     nu = [jnp.where(finite, decay * v + (1.0 - decay) * jnp.square(t * scale), v)
           for v, t in zip(nu, total)]
@@ -311,30 +308,20 @@ def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, g32, finite
   return jax.lax.cond(sched.kind == VARIANCE, update, keep, old.mu, old.nu, finite)
 
 
-def _current_mu(plan: Plan, state, sched: Schedule, mu: list) -> list:
-  """``m`` leaf by leaf: decoded from the momentum message after compressed steps, else ``mu``.
+def _materialized_mu(plan: Plan, state, sched: Schedule, mu: list) -> list:
+  """``m`` written into ``mu`` from the momentum message, before any step but a compressed one reads ``mu``.
 
   A compressed step keeps its 1-bit mean of ``m`` as the message itself (as
-  1-bit Adam does): no full-size write of ``m``. A reader of ``m`` decodes it
-  inside its own pass (the message's exact leaves are exact).
+  1-bit Adam does): no full-size write of ``m``. The other kinds read and
+  write ``m`` as float32, so the first of them after compressed steps decodes
+  it here (the message's exact leaves are exact); other steps pass ``mu``
+  through.
   """
-  means = _groups.mean_leaves(plan.layout, state.momentum_message, sched.at)
-  return [m if plan.kind(i)[0] == "z" else jnp.where(state.mu_in_message, means[i], m)
-          for i, m in enumerate(mu)]
+  def decode(mu):
+    means = _groups.mean_leaves(plan.layout, state.momentum_message, sched.at)
+    return [m if plan.kind(i)[0] == "z" else means[i] for i, m in enumerate(mu)]
 
-
-def _materialized_mu(hp: Hyper, plan: Plan, state, sched: Schedule, mu: list) -> list:
-  """With local steps: ``m`` written into ``mu`` at the first local step (or sync) after compressed steps.
-
-  The local phase reads ``m`` in several places (the first sync's progress,
-  the restart of ``local_mu``): there it is decoded once. Without local steps
-  no step reads ``mu`` after compressed steps but a variance step, which
-  decodes it in its own pass (:func:`_current_mu`).
-  """
-  if hp.local_steps is None:
-    return mu
-  decode = lambda mu: _current_mu(plan, state, sched, mu)
-  return jax.lax.cond(state.mu_in_message & (sched.kind == LOCAL), decode, lambda mu: mu, mu)
+  return jax.lax.cond(state.mu_in_message & (sched.kind != COMPRESSED), decode, lambda mu: mu, mu)
 
 
 def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, finite,
@@ -471,8 +458,8 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
 
   The step is a chain of stages, each a ``lax.cond`` on replicated scalars
   whose false branch passes its full-size buffers through (the form XLA
-  writes in place into the donated buffers; 1-bit Adam's switch): with local
-  steps ``m`` out of the message into ``mu`` (:func:`_materialized_mu`), what is sent
+  writes in place into the donated buffers; 1-bit Adam's switch): ``m`` out of
+  the message into ``mu`` (:func:`_materialized_mu`), what is sent
   (:func:`_write_sent`), the 1-bit exchange (:func:`_onebit_exchange`), the
   variance step's moments, a sync's ``m``, the per-device buffers of local
   steps. So a step computes only its own kind's formulas. A compressed step's
@@ -486,7 +473,7 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   bc2 = v_correction(hp, state.variance_updates, state.variance_step)  # v held: not a variance step
   old = _Old(jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), leaves_or_none(state.local_mu),
              leaves_or_none(state.accumulator), params)
-  old = old._replace(mu=_materialized_mu(hp, plan, state, sched, old.mu))
+  old = old._replace(mu=_materialized_mu(plan, state, sched, old.mu))
   local_mu, accumulator = _local_step(hp, plan, state, sched, g32, old, bc1, bc2)
   old = old._replace(local_mu=local_mu, accumulator=accumulator)  # (the same values: read after)
   local_sent, exact = _write_sent(hp, plan, g32, state, sched, old, bc1, bc2)
