@@ -92,21 +92,21 @@ class Store:
 
   def supersede(self, task, label, lr, options) -> None:
     """Moves ``label``'s evaluation runs of another setting (an earlier choice) to ``superseded``."""
-    old = [r for r in self.doc["runs"] if r["task"] == task and r["label"] == label
-           and r["phase"] == "eval" and (r["lr"], r["options"]) != (lr, options)]
-    if old:
-      self.doc.setdefault("superseded", []).extend(old)
-      self.doc["runs"] = [r for r in self.doc["runs"] if not any(r is o for o in old)]
-      self.save()
+    self._move([r for r in self.doc["runs"] if r["task"] == task and r["label"] == label
+                and r["phase"] == "eval" and (r["lr"], r["options"]) != (lr, options)])
 
   def rerun(self, labels, commit: str) -> None:
     """Moves the evaluation runs of ``labels`` to ``superseded``: their code changed at ``commit``."""
     old = [r for r in self.doc["runs"] if r["label"] in labels and r["phase"] == "eval"]
     for r in old:
       r["reason"] = f"rerun at {commit}: the code changed"
-    self.doc.setdefault("superseded", []).extend(old)
-    self.doc["runs"] = [r for r in self.doc["runs"] if not any(r is o for o in old)]
-    self.save()
+    self._move(old)
+
+  def _move(self, old: list) -> None:
+    if old:
+      self.doc.setdefault("superseded", []).extend(old)
+      self.doc["runs"] = [r for r in self.doc["runs"] if not any(r is o for o in old)]
+      self.save()
 
   def add(self, rec: dict) -> None:
     self.doc["runs"].append(rec)

@@ -41,8 +41,9 @@ def pack_signs(x: jax.Array, axis: int = -1, pad: int = 0) -> jax.Array:
     True
   """
   x = jnp.moveaxis(jnp.asarray(x), axis, -1)
-  positive = jnp.ones(x.shape[:-1] + (pad,), jnp.bool_)
-  bits = jnp.concatenate([x >= 0, positive], axis=-1) if pad else x >= 0
+  bits = x >= 0
+  if pad:
+    bits = jnp.concatenate([bits, jnp.ones(x.shape[:-1] + (pad,), jnp.bool_)], axis=-1)
   size = bits.shape[-1]
   if size % 32 or size < WORDS_FROM:
     return jnp.moveaxis(jnp.packbits(bits, axis=-1, bitorder=_BITORDER), -1, axis)
