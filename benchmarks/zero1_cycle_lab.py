@@ -89,7 +89,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import _provenance  # noqa: E402
 import onebit_optax  # noqa: E402
 from onebit_optax import _bounded, _collective, _groups, _onebit_adam as _ob, _wire  # noqa: E402
-import zero1_warmup_lab  # noqa: E402  (its Adam + pmean)
 import zero_one_compute as zc  # noqa: E402  (its trees; one XLA intra-op thread)
 
 AXIS = "data"
@@ -317,6 +316,7 @@ def _specs(state: LabState) -> LabState:
 def build(name, mesh, params, freeze_at):
   """(jitted donated train step, state) of contestant ``name``."""
   if name.startswith("adam"):
+    import zero1_warmup_lab  # (its Adam + pmean; imported once jax has our devices)
     fn, state = zero1_warmup_lab.adam_pmean(mesh, params)
     return jax.jit(fn, donate_argnums=(0, 1)), state
   if name.startswith("package"):

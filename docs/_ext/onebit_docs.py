@@ -79,6 +79,7 @@ RESULT_TITLES = {
     "zero1_warmup_lab": "Lab: Adam's warmup with its moments sharded (ZeRO-1)",
     "zero1_warmup_lab_leaves": "Lab: Adam's warmup with its moments sharded, 300 leaves",
     "zero1_cycle_lab": "Lab: 1-bit Adam with its warmup moments sharded, the whole cycle",
+    "zero1_cycle_lab_4": "Lab: 1-bit Adam with its warmup moments sharded, 4 devices",
 }
 
 # What each benchmark measures, shown above its generated page (prose only: the
