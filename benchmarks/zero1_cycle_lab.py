@@ -96,7 +96,7 @@ B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 1e-3
 F32 = jnp.float32
 # Where beta1 m, gathered from its shards, becomes every device's local_momentum: at the freeze step
 # (a conditional of its own), or at the first compressed step (inside its conditional).
-HAND_OVERS = ("first compressed step", "freeze step")
+HAND_OVERS = ("first compressed step", "freeze step", "first compressed step, update in nu")
 
 
 class LabState(NamedTuple):
@@ -289,6 +289,73 @@ def lab_update(grads_tree, st: LabState, freeze_at: int, hand_over: str):
   return jax.tree.unflatten(plan.treedef, [-LR * u for u in updates]), new
 
 
+def _warm_updates_into(plan, grads, local, exact_mu, exact_nu, count, nu):
+  """:func:`_warm_updates` written into nu, which holds no variance during the warmup."""
+  updates = _warm_updates(plan, grads, local, exact_mu, exact_nu, count)
+  return jax.tree.unflatten(plan.treedef, [u.astype(v.dtype) for u, v in zip(updates, jax.tree.leaves(nu))])
+
+
+def _sent_first(plan, grads, st, first, nu, exact_nu):
+  """Stage 1 of a compressed step; the first one also gathers v's shards into nu before it writes."""
+  handed, nu = jax.lax.cond(
+      first, lambda u, v: (_freeze_local(plan, u), _freeze_nu(plan, u, v, exact_nu)),
+      lambda u, v: (u, v), st.local_momentum, nu)
+  return _sent(plan, grads, st._replace(local_momentum=handed), first, "none"), nu
+
+
+def lab_update_in_nu(grads_tree, st: LabState, freeze_at: int):
+  """The variant that keeps the warmup's update in nu (whose variance is in the shards until the freeze).
+
+  No zero update in the compressed steps: the update of either phase is read
+  off nu (the warmup's update, or the frozen variance the compressed step
+  divides by). So nu takes v's shards only at the first compressed step, in the
+  conditional that writes local_momentum there (it reads the shards first).
+  """
+  axes = _collective.resolve_axes(AXIS, None, caller="lab")
+  plan = _groups.plan(grads_tree, axes, 64)
+  layout, grads, hp = plan.layout, jax.tree.leaves(grads_tree), _hyper()
+  count = st.count + 1
+  at = _groups.offsets(layout, st.frozen, st.frozen)
+  pkg = _ob.ScaleByOnebitAdamState(
+      count=count, mu=None, nu=st.nu, nu_l1=st.nu_l1, local_momentum=st.local_momentum,
+      worker_scale=st.worker_scale, feedback_valid=st.feedback_valid, worker_error=None,
+      server_error=st.server_error, momentum_message=st.momentum_message, frozen=st.frozen,
+      freeze_step=st.freeze_step, variance_ratio=None, reference_l1=None, wire_bytes=None,
+      skipped_steps=None)
+  warming = jnp.logical_not(st.frozen)
+  first = st.frozen & (count == st.freeze_step + 1)
+  local, nu = jax.lax.cond(
+      st.frozen,
+      lambda g, u, v: _sent_first(plan, g, st._replace(local_momentum=u), first, v, st.exact_nu),
+      lambda g, u, v: (u, v), grads, st.local_momentum, st.nu)
+  local, exact_mu, exact_nu = jax.lax.cond(
+      warming, lambda g, u, m, v: _warm_moments(plan, g, u, m, v),
+      lambda g, u, m, v: (u, m, v), grads, local, st.exact_mu, st.exact_nu)
+  ex = jax.lax.cond(st.frozen, lambda g, u: _ob._compression(hp, plan, g, u, pkg, at),
+                    lambda g, u: _ob._no_exchange(pkg), grads, local)
+  nu = jax.lax.cond(warming,
+                    lambda u, v: _warm_updates_into(plan, grads, u, exact_mu, exact_nu, count, v),
+                    lambda u, v: v, local, nu)
+  freeze_now = warming & (count == freeze_at)
+  message, scale = jax.lax.cond(freeze_now, lambda: _freeze_message(plan, exact_mu),
+                                lambda: (ex.gathered, ex.worker_scale))
+  nu_l1 = jax.lax.cond(first, lambda v: _groups.sums(jax.tree.leaves(v)), lambda v: st.nu_l1, nu)
+  bc2 = _bounded.bias_correction(B2, st.freeze_step)
+  scalars = _ob._step_scalars(hp, st.frozen, _bounded.bias_correction(B1, count), bc2, True)
+  floors = _bounded.floors(0.01, nu_l1, layout.sizes, bc2, st.frozen)
+  means = _groups.mean_leaves(layout, ex.gathered, at)
+  updates = []
+  for i, (g, v) in enumerate(zip(grads, jax.tree.leaves(nu))):
+    step = _bounded.bounded_step(means[i], v.astype(F32), _groups.at_index(floors, at.leaves[i]),
+                                 scalars)
+    updates.append(jnp.where(st.frozen, step, v).astype(g.dtype))
+  new = LabState(count, nu, exact_mu, exact_nu, nu_l1, local, scale,
+                 jnp.where(st.frozen, True, freeze_now | st.feedback_valid), None,
+                 ex.server_error, message, st.frozen | freeze_now,
+                 jnp.where(freeze_now, count, st.freeze_step))
+  return jax.tree.unflatten(plan.treedef, [-LR * u for u in updates]), new
+
+
 def lab_init(params):
   axes = _collective.resolve_axes(AXIS, None, caller="lab")
   plan = _groups.plan(params, axes, 64)
@@ -334,8 +401,9 @@ def build(name, mesh, params, freeze_at):
     state = jax.jit(jax.shard_map(lab_init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
 
     def body(p, s, g):
-      u, s = lab_update(jax.lax.pcast(g, AXIS, to="varying"), s, freeze_at,
-                        name.split("at the ")[1])
+      how, g = name.split("at the ")[1], jax.lax.pcast(g, AXIS, to="varying")
+      u, s = (lab_update_in_nu(g, s, freeze_at) if how.endswith("update in nu")
+              else lab_update(g, s, freeze_at, how))
       return optax.apply_updates(p, u), s
   fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P()), out_specs=(P(), specs))
   return jax.jit(fn, donate_argnums=(0, 1)), state
