@@ -238,18 +238,22 @@ def _freeze_message(plan, exact_mu):
   return rows, _collective.vary(zeros[None], AXIS)
 
 
-def lab_update(grads_tree, st: LabState, freeze_at: int, hand_over: str):
-  axes = _collective.resolve_axes(AXIS, None, caller="lab")
-  plan = _groups.plan(grads_tree, axes, 64)
-  layout, grads, hp = plan.layout, jax.tree.leaves(grads_tree), _hyper()
+def _prelude(grads_tree, st: LabState):
+  """What both prototypes' steps start from; ``pkg``: the state as the package's stages read it."""
+  plan = _groups.plan(grads_tree, _collective.resolve_axes(AXIS, None, caller="lab"), 64)
   count = st.count + 1
-  at = _groups.offsets(layout, st.frozen, st.frozen)
   pkg = _ob.ScaleByOnebitAdamState(
       count=count, mu=None, nu=st.nu, nu_l1=st.nu_l1, local_momentum=st.local_momentum,
       worker_scale=st.worker_scale, feedback_valid=st.feedback_valid, worker_error=None,
       server_error=st.server_error, momentum_message=st.momentum_message, frozen=st.frozen,
       freeze_step=st.freeze_step, variance_ratio=None, reference_l1=None, wire_bytes=None,
       skipped_steps=None)
+  return (plan, plan.layout, jax.tree.leaves(grads_tree), _hyper(), count,
+          _groups.offsets(plan.layout, st.frozen, st.frozen), pkg)
+
+
+def lab_update(grads_tree, st: LabState, freeze_at: int, hand_over: str):
+  plan, layout, grads, hp, count, at, pkg = _prelude(grads_tree, st)
   warming = jnp.logical_not(st.frozen)
   # local_momentum is written by two conditionals that each pass it through in their false branch
   # (one that writes in both branches had its result copied), before anything reads it.
@@ -311,17 +315,7 @@ def lab_update_in_nu(grads_tree, st: LabState, freeze_at: int):
   divides by). So nu takes v's shards only at the first compressed step, in the
   conditional that writes local_momentum there (it reads the shards first).
   """
-  axes = _collective.resolve_axes(AXIS, None, caller="lab")
-  plan = _groups.plan(grads_tree, axes, 64)
-  layout, grads, hp = plan.layout, jax.tree.leaves(grads_tree), _hyper()
-  count = st.count + 1
-  at = _groups.offsets(layout, st.frozen, st.frozen)
-  pkg = _ob.ScaleByOnebitAdamState(
-      count=count, mu=None, nu=st.nu, nu_l1=st.nu_l1, local_momentum=st.local_momentum,
-      worker_scale=st.worker_scale, feedback_valid=st.feedback_valid, worker_error=None,
-      server_error=st.server_error, momentum_message=st.momentum_message, frozen=st.frozen,
-      freeze_step=st.freeze_step, variance_ratio=None, reference_l1=None, wire_bytes=None,
-      skipped_steps=None)
+  plan, layout, grads, hp, count, at, pkg = _prelude(grads_tree, st)
   warming = jnp.logical_not(st.frozen)
   first = st.frozen & (count == st.freeze_step + 1)
   local, nu = jax.lax.cond(
