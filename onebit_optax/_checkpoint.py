@@ -218,7 +218,7 @@ def _layout(opt_state) -> dict:
         "supported.")
   error = next((x for x in (*(local or ()), state.worker_error, state.server_error)
                 if x is not None), None)
-  specs = [_spec_str(v) for v in jax.tree.leaves(state.mu)]
+  specs = [_spec_str(v) for v in jax.tree.leaves(state.nu)]
   return {
       "num_devices": int(n),
       "device_axes": _device_axes(state.worker_scale, n * shards),
@@ -765,8 +765,8 @@ def _moved(state, abstract, saved: dict, new: dict, tx):
     reset = {name: jax.tree.map(_zeros, getattr(abstract, name)) for name in _SIZED}
     return state._replace(**reset, feedback_valid=_zeros(abstract.feedback_valid)), []
   # One model shard's leaves (the whole parameters without a model axis).
-  shapes = [_local_shape(x) for x in jax.tree.leaves(abstract.mu)]
-  local = jax.tree.unflatten(jax.tree.structure(abstract.mu),
+  shapes = [_local_shape(x) for x in jax.tree.leaves(abstract.nu)]
+  local = jax.tree.unflatten(jax.tree.structure(abstract.nu),
                              [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes])
   old_side, new_side = _side(local, saved), _side(local, new)
   shards = new.get("model_shards", 1)
@@ -797,7 +797,7 @@ def _moved(state, abstract, saved: dict, new: dict, tx):
   valid = jax.jit(lambda: jnp.ones((), jnp.bool_),
                   out_shardings=abstract.feedback_valid.sharding)()
   names = [jax.tree_util.keystr(path) for path, _ in
-           jax.tree_util.tree_flatten_with_path(abstract.mu)[0]]
+           jax.tree_util.tree_flatten_with_path(abstract.nu)[0]]
   dropped = [names[i] for i in old_side.wire.compressed if i not in new_side.wire.compressed]
   return state._replace(**carried._asdict(), momentum_message=message,
                         feedback_valid=valid), dropped
