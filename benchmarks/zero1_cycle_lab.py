@@ -35,7 +35,9 @@ package's :math:`3D + D/n + D/32`.
   first compressed step sends :math:`(1-\beta_1) g + \beta_1 m`). Two
   places, two contestants: a conditional of its own at the freeze step
   (after the gather of ``v``), or inside the first compressed step's
-  conditional, which reads the buffer there before it writes it.
+  conditional, which reads the buffer there before it writes it. A third
+  contestant (:func:`lab_update_in_nu`) does the latter and keeps the
+  warmup's update in ``nu``, gathering ``v`` there at the first compressed step.
 - **Compression**: the package's (stage 1 as ``_write_sent``, ``_compression``,
   the bounded update from the message).
 
@@ -95,7 +97,8 @@ AXIS = "data"
 B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 1e-3
 F32 = jnp.float32
 # Where beta1 m, gathered from its shards, becomes every device's local_momentum: at the freeze step
-# (a conditional of its own), or at the first compressed step (inside its conditional).
+# (a conditional of its own), or at the first compressed step (inside its conditional); the third
+# also keeps the warmup's update in nu (lab_update_in_nu).
 HAND_OVERS = ("first compressed step", "freeze step", "first compressed step, update in nu")
 
 
