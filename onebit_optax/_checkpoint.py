@@ -8,7 +8,7 @@ from typing import Hashable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, make_single_device_sharding
 
 from onebit_optax._onebit_adam import ScaleByOnebitAdamState
 from onebit_optax._zero_one_adam import ScaleByZeroOneAdamState
@@ -318,7 +318,7 @@ def abstract_state(tx, params, mesh: Optional[Mesh] = None, axis_name: Hashable 
   """
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
   if mesh is None:
-    sharding = SingleDeviceSharding(jax.local_devices()[0])
+    sharding = make_single_device_sharding(jax.local_devices()[0])
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
         jax.eval_shape(tx.init, params))
@@ -656,7 +656,7 @@ def _saved_target(x_saved_shape, dtype, abstract, mesh):
   shape = tuple(x_saved_shape)
   sharding = getattr(abstract, "sharding", None)
   if mesh is None or not isinstance(sharding, NamedSharding):
-    sharding = SingleDeviceSharding(jax.local_devices()[0])
+    sharding = make_single_device_sharding(jax.local_devices()[0])
   elif shape[0] % abstract.shape[0]:
     sharding = NamedSharding(mesh, P())
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -960,7 +960,7 @@ def _params_target(params, mesh, param_specs):
   """``params`` as ShapeDtypeStructs placed for the restore (replicated, or by ``param_specs``)."""
   if mesh is not None and param_specs is not None:
     return _sharding._abstract_on(params, mesh, param_specs)
-  sharding = (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
+  sharding = (make_single_device_sharding(jax.local_devices()[0]) if mesh is None
               else NamedSharding(mesh, P()))
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding), params)

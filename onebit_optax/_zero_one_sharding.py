@@ -6,7 +6,7 @@ from typing import Hashable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, make_single_device_sharding
 
 from onebit_optax import _accessors
 from onebit_optax import _zero_one_steps as _steps
@@ -104,7 +104,7 @@ def moved(old: ScaleByZeroOneAdamState, new: ScaleByZeroOneAdamState, mesh: Mesh
         f"({since} local steps since the last): each device holds its own progress, which "
         "another device count cannot take over. Restore it onto the mesh it was saved on, "
         "or save right after a sync (status(opt_state).phase == 'sync').")
-  place = lambda spec: (SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
+  place = lambda spec: (make_single_device_sharding(jax.local_devices()[0]) if mesh is None
                         else NamedSharding(mesh, spec))
   replicated = lambda x: jax.device_put(np.asarray(x), place(P()))
   fields = {name: jax.tree.map(replicated, getattr(old, name)) for name in _CARRIED}
