@@ -340,7 +340,8 @@ def phase_schedule(nsteps: int, **hyper) -> str:
   return "".join(PHASE_CODES[int(k)] for k in np.asarray(phases))
 
 
-def _time_zero_one(bench, mesh, axis, hyper: dict, nsteps: int, settle_s: float) -> dict:
+def _time_zero_one(bench, mesh, axis, hyper: dict, nsteps: int, settle_s: float,
+                   read_each_step: bool = False) -> dict:
   """zero_one_adam over ``axis`` on its real schedule: every step timed, its phase recorded.
 
   Step 1 compiles (one program serves every phase: a lax.switch on the
@@ -351,10 +352,14 @@ def _time_zero_one(bench, mesh, axis, hyper: dict, nsteps: int, settle_s: float)
   the interface, and the counters are read. So a window of local steps shows
   what local steps send, not the tail of the sync before them. Each step's
   phase as the state reports it (``status(state).phase``) and the optimizer's own
-  ``wire_bytes`` are read after the step (untimed) and checked against the
-  prediction.
+  ``wire_bytes`` are copied on the device after the step and read after the run,
+  then checked against the prediction. Reading them on the host after each step
+  (``read_each_step``, as before issue 25's item 6 was measured) stalls this
+  rank between steps while the others already wait in the next step's
+  collectives: that wait was timed as communication.
   """
   import jax
+  import jax.numpy as jnp
   import numpy as np
 
   import onebit_optax
@@ -371,15 +376,17 @@ def _time_zero_one(bench, mesh, axis, hyper: dict, nsteps: int, settle_s: float)
   def counters():
     return {k: (_counter(i, "tx_bytes"), _counter(i, "rx_bytes")) for k, i in ifaces.items()}
 
-  def read(state):
+  def mark(state):  # this rank's copies of the step's phase and wire_bytes (asynchronous)
     z = zero_one_state(state[1])
-    return (PHASE_CODES[int(np.asarray(z.phase.addressable_data(0)))],
-            float(np.asarray(z.wire_bytes.addressable_data(0))))
+    return [jnp.copy(x.addressable_data(0)) for x in (z.phase, z.wire_bytes)]
+
+  def read(marked):
+    return PHASE_CODES[int(np.asarray(marked[0]))], float(np.asarray(marked[1]))
 
   t = time.perf_counter()
   state = jax.block_until_ready(step(params, opt_state, *batch)[:2])
   first = time.perf_counter() - t
-  phases, wire = [read(state)[0]], [read(state)[1]]
+  marks = [read(mark(state))]
   windows, window, before = [], None, None
   for k in range(1, nsteps):
     if window is None or predicted[k] != window["phase"]:
@@ -392,13 +399,14 @@ def _time_zero_one(bench, mesh, axis, hyper: dict, nsteps: int, settle_s: float)
     state = step(*state, *batch)[:2]
     jax.block_until_ready(state)
     window["step_s"].append(time.perf_counter() - t)
-    phase, sent = read(state)
-    phases.append(phase)
-    wire.append(sent)
+    marks.append(read(mark(state)) if read_each_step else mark(state))
   time.sleep(settle_s)
   windows.append(_close_window(window, before, counters()))
+  marks = [m if isinstance(m[0], str) else read(m) for m in marks]
+  phases, wire = [m[0] for m in marks], [m[1] for m in marks]
   actual = "".join(phases)
   return {"first_step_s": first, "hyper": hyper, "nsteps": nsteps, "settle_s": settle_s,
+          "read_each_step": read_each_step,
           "predicted_schedule": predicted, "schedule": actual,
           "schedule_matches": actual == predicted, "state_wire_bytes": wire, "windows": windows}
 
@@ -442,7 +450,8 @@ def _rank(args):
     hyper = dict(var_freeze_step=args.zo_freeze, var_update_scaler=args.zo_scaler,
                  local_steps=args.zo_local_steps or None,  # (0: no local steps)
                  local_step_scaler=args.zo_local_scaler)
-    results["zero_one"] = _time_zero_one(bench, flat, "data", hyper, args.zo_steps, args.settle)
+    results["zero_one"] = _time_zero_one(bench, flat, "data", hyper, args.zo_steps, args.settle,
+                                         args.zo_read_each_step)
   if "hier" in modes:
     out = _time_onebit(bench, mesh2, hier_axis, time_warmup=False)
     results["modes"]["hier_compression"] = dict(out["compression"],
@@ -676,6 +685,8 @@ def main(argv=None):
   rk.add_argument("--settle", type=float, default=0.3,
                   help="seconds the 0/1 Adam run waits (untimed) before reading the counters at "
                        "a change of phase")
+  rk.add_argument("--zo-read-each-step", action="store_true",
+                  help="read each 0/1 step's phase on the host right after it (the old way)")
   rk.add_argument("--mesh", default=None,
                   help="NODESxLOCAL: also a 2-D ('node', 'local') mesh (adam then reduces over it)")
   rk.add_argument("--profile", action="store_true", help="also time the collectives alone")

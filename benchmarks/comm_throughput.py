@@ -133,6 +133,9 @@ def _parse_args(argv=None):
                  help="steps of the 0/1 Adam run, step 1 untimed (default %(default)s)")
   p.add_argument("--settle", type=float, default=0.3,
                  help="untimed pause (s) before the counters are read at a change of 0/1 phase")
+  p.add_argument("--zo-read-each-step", action="store_true",
+                 help="read each 0/1 step's phase on the host right after the step, as before "
+                      "issue 25's item 6 was measured (default: copied on the device, read after)")
   p.add_argument("--hier", action="store_true",
                  help="instead: the hierarchical case, --nodes namespaces of ranks/nodes ranks each, "
                       "only the links between nodes shaped; writes comm_throughput_hier.*")
@@ -209,6 +212,7 @@ def _worker_cmd(args, rank: int, num_ranks: int, coordinator: str | None, iface:
             "--zo-local-steps", str(args.zo_local_steps), "--zo-local-scaler",
             str(args.zo_local_scaler), "--zo-steps", str(args.zo_steps),
             "--settle", str(args.settle)]
+    cmd += ["--zo-read-each-step"] if args.zo_read_each_step else []
   if mesh:
     cmd += ["--mesh", mesh]
   if coordinator:
