@@ -147,11 +147,23 @@ def kernels(name: str, leaves: int, mesh) -> dict:
   with tempfile.TemporaryDirectory() as dump:
     compiled = step.trace(params, state, grads).lower().compile(
         compiler_options={"xla_dump_to": dump})
-    modules = list(Path(dump).glob("*.ir-with-opt.ll"))
-    ir_lines = sum(len(f.read_text().splitlines()) for f in modules)
+    modules = {f.name: len(f.read_text().splitlines()) for f in Path(dump).glob("*.ir-with-opt.ll")}
   # (after the result's shape, a tuple's included: multi-output fusions count too)
   fusions = len(re.findall(r"[\]})] fusion\(", compiled.as_text()))
-  return {"fusions": fusions, "kernels": len(modules), "ir_lines": ir_lines}
+  return {"fusions": fusions, "kernels": len(modules), "ir_lines": sum(modules.values()),
+          "ir_by_kind": _ir_by_kind(modules)}
+
+
+def _ir_by_kind(modules: dict, top: int = 6) -> list:
+  """[kind, kernels, IR lines] of the kinds of kernel with the most IR (kind: the fusion's name
+  without its number, e.g. ``multiply_bitcast_fusion``), most first."""
+  kinds = {}
+  for name, lines in modules.items():
+    kind = re.sub(r"\.ir-with-opt\.ll$|_kernel_module$", "", name.removesuffix(".ir-with-opt.ll"))
+    kind = re.sub(r"\.\d+$", "", re.split(r"jit_body\.|__compute_module_", kind)[-1])
+    count, total = kinds.get(kind, (0, 0))
+    kinds[kind] = (count + 1, total + lines)
+  return [[k, c, n] for k, (c, n) in sorted(kinds.items(), key=lambda kv: -kv[1][1])[:top]]
 
 
 def restart(leaves: int, mesh) -> dict:
@@ -253,6 +265,15 @@ def _kernel_lines(rows) -> list:
       lines.append(f"| {r['leaves']} | {r['run']} | {name} | {k['fusions']} | {k['kernels']} | "
                    f"{k['ir_lines']:,} | {k['kernels'] / a['kernels']:.1f}x | "
                    f"{k['ir_lines'] / a['ir_lines']:.1f}x |")
+  kinds = [(r, name, k["ir_by_kind"]) for r in counted for name, k in r["kernels"].items()
+           if k.get("ir_by_kind")]
+  if kinds:
+    lines += ["", "The kinds of kernel with the most IR (runs that recorded them): kind, kernels, "
+              "IR lines, share of the contestant's IR.", ""]
+    for r, name, top in kinds:
+      total = r["kernels"][name]["ir_lines"]
+      lines.append(f"- {r['leaves']} leaves, run {r['run']}, {name}: " + "; ".join(
+          f"`{kind}` {c}, {n:,} ({100 * n / total:.0f}%)" for kind, c, n in top))
   return lines
 
 
