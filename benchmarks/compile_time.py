@@ -159,7 +159,7 @@ def _ir_by_kind(modules: dict, top: int = 6) -> list:
   without its number, e.g. ``multiply_bitcast_fusion``), most first."""
   kinds = {}
   for name, lines in modules.items():
-    kind = re.sub(r"\.ir-with-opt\.ll$|_kernel_module$", "", name.removesuffix(".ir-with-opt.ll"))
+    kind = name.removesuffix(".ir-with-opt.ll").removesuffix("_kernel_module")
     kind = re.sub(r"\.\d+$", "", re.split(r"jit_body\.|__compute_module_", kind)[-1])
     count, total = kinds.get(kind, (0, 0))
     kinds[kind] = (count + 1, total + lines)
