@@ -25,7 +25,6 @@ import json
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -76,19 +75,7 @@ def measure(setting: str, size: int, repeats: int) -> dict:
   grads = zc.place(zc.make_tree(size, 1), mesh)
   cands = {name: contestant(name, size, grads, mesh) for name in NAMES}
   facts = {name: zc.hlo_facts(*c, grads) for name, c in cands.items()}
-  times = {name: [] for name in cands}
-  live = {name: [c[1], c[2]] for name, c in cands.items()}
-  order = list(cands)
-  for r in range(repeats):  # (in a rotating order: no contestant always follows the same one)
-    for name in order[r % len(order):] + order[:r % len(order)]:
-      step = cands[name][0]
-      params, state = live[name]
-      jax.block_until_ready((params, state))
-      t = time.perf_counter()
-      params, state = step(params, state, grads)
-      jax.block_until_ready((params, state))
-      times[name].append(time.perf_counter() - t)
-      live[name] = [params, state]
+  times, _ = zc.time_all(cands, grads, repeats, rotate=True, check=False)
   d4 = 4 * sum(int(np.prod(x.shape)) for x in jax.tree.leaves(grads))
   return {"setting": setting, "size": size, "load_start": [round(x, 2) for x in load_start],
           "load_end": [round(x, 2) for x in os.getloadavg()],
