@@ -535,10 +535,10 @@ def serve(received: jax.Array, server_error: jax.Array, bits: _layout.FlatLayout
   for i in range(1, n_slow):
     chunk_sum = chunk_sum + _decode(received[i, :chunk_bytes], worker_scales[i], block)
   w = jnp.where(chunk_valid, chunk_sum / n_slow + server_error.reshape(-1, block), 0.0)
+  signs, squares = _compressor.signs_and_block_sums(w)  # (one pass over w for both)
   server_scales = _compressor.segment_rms(
-      w, local_segment, _chunk_slice(tables.segment_count, chunk_index, segments))
-  parts = [_compressor.pack_signs(w.reshape(-1)),
-           _wire.scales_to_bytes(server_scales)]
+      squares, local_segment, _chunk_slice(tables.segment_count, chunk_index, segments))
+  parts = [signs, _wire.scales_to_bytes(server_scales)]
   if exact_chunk:
     floats = _wire.scales_from_bytes(received[:, chunk_bytes + 4 * segments:])
     total = floats[0]
@@ -658,8 +658,8 @@ def compressed_average(x, worker_error, server_error, axis_name, *, layout,
   # segment, and sends chunk r of the packed signs, with the chunk's scales, to
   # device r of the slow axis.
   u = _error_compensated(x, worker_error, layout.valid(part.block_valid), block)
-  scales = _compressor.segment_rms(u, part.segment, part.segment_count)
-  packed = _compressor.pack_signs(u.reshape(-1))
+  packed, squares = _compressor.signs_and_block_sums(u)  # (one pass over u for both)
+  scales = _compressor.segment_rms(squares, part.segment, part.segment_count)
   rows = jnp.concatenate([packed.reshape(n_slow, chunk_bytes),
                           _wire.scales_to_bytes(scales.reshape(n_slow, segments))], 1)
   if slow is not None:

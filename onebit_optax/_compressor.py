@@ -7,8 +7,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["sign_compress", "sign_decompress", "pack_signs", "padded_size", "segment_rms",
-           "sign_residual"]
+__all__ = ["sign_compress", "sign_decompress", "pack_signs", "signs_and_squares",
+           "signs_and_block_sums",
+           "padded_size", "segment_rms", "sign_residual"]
 
 _BITS_PER_BYTE = 8
 # Bit k of byte j holds the sign of element 8*j + k ("little" bit order). The same
@@ -52,6 +53,49 @@ def pack_signs(x: jax.Array, axis: int = -1, pad: int = 0) -> jax.Array:
   words = jnp.sum(bits * weights, axis=-1, dtype=jnp.uint32)
   packed = jax.lax.bitcast_convert_type(words, jnp.uint8)  # (..., words, 4): little-endian bytes
   return jnp.moveaxis(packed.reshape(x.shape[:-1] + (size // 8,)), -1, axis)
+
+
+def signs_and_squares(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  r"""One pass over ``x`` ``(..., 32 k)`` float32: its packed signs ``(..., 4 k)`` uint8 and the sum of squares of each 32 elements ``(..., k)``.
+
+  The signs are :func:`pack_signs`' bytes (bit :math:`j` of byte :math:`i` is
+  :math:`[x_{8i+j} \ge 0]`). One variadic reduction over each 32 elements forms
+  a ``uint32`` word of sign bits (its 4 bytes read back little-endian) and
+  :math:`\sum x^2`, so a compression reads what it compresses once for both its
+  signs and its scales (a scale is the root of a sum of these sums).
+
+  Example:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from onebit_optax import _compressor
+    >>> x = jnp.array([1., -2., 0., -0., 3.] * 32)
+    >>> signs, squares = _compressor.signs_and_squares(x)
+    >>> bool(np.array_equal(signs, np.packbits(np.asarray(x) >= 0, bitorder='little')))
+    True
+    >>> float(squares.sum()) == float(jnp.sum(x * x))
+    True
+  """
+  x = jnp.asarray(x, jnp.float32)
+  if x.shape[-1] % 32:
+    raise ValueError(f"signs_and_squares needs a multiple of 32 elements on the last axis, got {x.shape}.")
+  words = x.reshape(x.shape[:-1] + (-1, 32))
+  weights = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
+  bits, squares = jax.lax.reduce(
+      (jnp.where(words >= 0, weights, jnp.uint32(0)), jnp.square(words)),
+      (jnp.uint32(0), jnp.float32(0)), lambda a, b: (a[0] | b[0], a[1] + b[1]), (words.ndim - 1,))
+  signs = jax.lax.bitcast_convert_type(bits, jnp.uint8)  # (..., k, 4): little-endian bytes
+  return signs.reshape(x.shape[:-1] + (-1,)), squares
+
+
+def signs_and_block_sums(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A blocked vector ``(num_blocks, block)``'s packed signs (flat) and each block's sum of squares.
+
+  One pass (:func:`signs_and_squares`) where blocks are whole 32-element words;
+  else :func:`pack_signs` and a separate reduction.
+  """
+  if blocks.shape[-1] % 32:
+    return pack_signs(blocks.reshape(-1)), jnp.sum(jnp.square(blocks), axis=1)
+  signs, squares = signs_and_squares(blocks)
+  return signs.reshape(-1), jnp.sum(squares, axis=1)
 
 
 def padded_size(size: int, num_devices: int = 1) -> int:
@@ -179,9 +223,9 @@ def sign_decompress(packed: jax.Array, scale: jax.Array, size: int) -> jax.Array
   return signs * scale[..., None]
 
 
-def segment_rms(blocks: jax.Array, segment_of_block: jax.Array,
+def segment_rms(block_sums: jax.Array, segment_of_block: jax.Array,
                 segment_count: jax.Array) -> jax.Array:
-  r"""Root mean square of each segment of a blocked vector (one scale per segment).
+  r"""Root mean square of each segment of a blocked vector (one scale per segment), from its blocks' sums of squares.
 
   .. math::
 
@@ -192,15 +236,15 @@ def segment_rms(blocks: jax.Array, segment_of_block: jax.Array,
   (padding elements must be zero). A segment with no real element gets 0.
 
   Args:
-    blocks: float32 ``(num_blocks, block)``.
+    block_sums: float32 ``(num_blocks,)``: each block's :math:`\sum x_i^2`
+      (:func:`signs_and_block_sums`).
     segment_of_block: int32 ``(num_blocks,)``, sorted.
     segment_count: float32 ``(num_segments,)``: real elements per segment.
 
   Returns:
     float32 ``(num_segments,)``.
   """
-  row_sums = jnp.sum(jnp.square(blocks), axis=1)
-  totals = jax.ops.segment_sum(row_sums, segment_of_block, segment_count.shape[0],
+  totals = jax.ops.segment_sum(block_sums, segment_of_block, segment_count.shape[0],
                                indices_are_sorted=True)
   return jnp.sqrt(totals / jnp.maximum(segment_count, 1.0))
 

@@ -148,9 +148,10 @@ def rows(layout: _layout.WireLayout, sent: list, exact: jax.Array) -> tuple:
   ``(rows, scales)``: ``(num_devices, row_bytes)`` uint8 and the
   ``(compressed leaves,)`` float32 scales, group after group.
   """
-  scales = (jnp.concatenate([_wire.group_rms(u.astype(F32)) for u in sent]) if sent
+  compressed = [_wire.group_compress(u) for u in sent]
+  scales = (jnp.concatenate([scale for _, scale in compressed]) if sent
             else jnp.zeros((0,), F32))
-  return _wire.rows(layout, [_wire.group_signs(u) for u in sent], scales, exact), scales
+  return _wire.rows(layout, [signs for signs, _ in compressed], scales, exact), scales
 
 
 def exact(layout: _layout.WireLayout, leaves) -> jax.Array:

@@ -190,6 +190,29 @@ def test_long_axes_pack_words_into_the_same_bytes():
   np.testing.assert_array_equal(np.asarray(packed), expected[0])
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_signs_and_squares_match_packbits_and_numpy_sums(rows, words, seed):
+  # The one-pass compression of a group and of a server's chunk: its bytes are packbits' own,
+  # edge values included; its sums of squares are numpy's (float64) to float32 rounding.
+  rng = np.random.default_rng(seed)
+  x = (rng.standard_normal((rows, 32 * words)) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+  edges = np.array([0.0, -0.0, np.nan, -np.inf, np.inf, 1e-40, -1e-40], np.float32)
+  x.reshape(-1)[rng.choice(x.size, min(3, x.size), replace=False)] = rng.choice(edges, min(3, x.size))
+  signs, squares = _compressor.signs_and_squares(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(signs),
+                                np.packbits(_flush(x) >= 0, axis=1, bitorder="little"))
+  expected = np.square(_flush(x).astype(np.float64)).reshape(rows, words, 32).sum(axis=2)
+  got = np.asarray(squares, np.float64)
+  finite = np.isfinite(expected)
+  np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-5)
+  assert np.array_equal(np.isnan(got), np.isnan(expected))
+  blocks_signs, block_sums = _compressor.signs_and_block_sums(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(blocks_signs), np.asarray(signs).reshape(-1))
+  np.testing.assert_allclose(np.asarray(block_sums)[finite.all(1)],
+                             expected.sum(1)[finite.all(1)], rtol=1e-5)
+
+
 @settings(max_examples=15, deadline=None)
 @given(st.sampled_from([jnp.bfloat16, jnp.float16]),
        hnp.array_shapes(min_dims=0, max_dims=2, min_side=0, max_side=9),
