@@ -52,9 +52,18 @@ def group_compress(u: jax.Array) -> tuple[jax.Array, jax.Array]:
   the 10M tree's groups, one thread, 6.2 ms against 8.9 ms). A leaf's last,
   partial word and its padding words are formed apart, from its last few
   elements: a padded copy of the group would be a temporary of its size.
+
+  Leaves under :data:`_compressor.WORDS_FROM` elements keep the two passes:
+  each group's one-pass kernel is its own (its shape is in it), about 1,800
+  lines of LLVM IR against about 200, and at 300 leaves of 20 shapes that made
+  the train step compile 1.2-1.3x longer (``benchmarks/compile_time.md``,
+  run 20), for passes that take microseconds.
   """
   leaves, size = u.shape[0], math.prod(u.shape[1:])
   flat = u.astype(jnp.float32).reshape(leaves, size)
+  if size < _compressor.WORDS_FROM:  # (small leaves: two small kernels, see the docstring)
+    signs = _compressor.pack_signs(flat, axis=1, pad=-size % _BLOCK).reshape(-1)
+    return signs, jnp.sqrt(jnp.sum(jnp.square(flat), axis=1) / max(size, 1))
   whole = size - size % 32
   signs, squares = _compressor.signs_and_squares(flat[:, :whole])
   words = [jax.lax.bitcast_convert_type(signs.reshape(leaves, -1, 4), jnp.uint32)]
