@@ -66,19 +66,17 @@ def group_compress(u: jax.Array) -> tuple[jax.Array, jax.Array]:
     return signs, jnp.sqrt(jnp.sum(jnp.square(flat), axis=1) / max(size, 1))
   whole = size - size % 32
   signs, squares = _compressor.signs_and_squares(flat[:, :whole])
-  words = [jax.lax.bitcast_convert_type(signs.reshape(leaves, -1, 4), jnp.uint32)]
-  sums = jnp.sum(squares, axis=1)
+  pieces, sums = [signs], jnp.sum(squares, axis=1)
   if whole < size:  # the last word: the leaf's last elements, then positive padding signs
     tail = jnp.concatenate([flat[:, whole:], jnp.zeros((leaves, 32 - (size - whole)), jnp.float32)], 1)
     tail_signs, tail_squares = _compressor.signs_and_squares(tail)
-    words.append(jax.lax.bitcast_convert_type(tail_signs.reshape(leaves, 1, 4), jnp.uint32))
+    pieces.append(tail_signs)
     sums = sums + tail_squares[:, 0]
-  padding = (-size % _BLOCK) // 32  # whole words of positive padding signs
+  padding = 4 * ((-size % _BLOCK) // 32)  # the bytes of whole words of positive padding signs
   if padding:
-    words.append(jnp.full((leaves, padding), 0xFFFFFFFF, jnp.uint32))
-  packed = jnp.concatenate(words, axis=1) if len(words) > 1 else words[0]
-  return (jax.lax.bitcast_convert_type(packed, jnp.uint8).reshape(-1),
-          jnp.sqrt(sums / max(size, 1)))
+    pieces.append(jnp.full((leaves, padding), 255, jnp.uint8))
+  packed = jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else signs
+  return packed.reshape(-1), jnp.sqrt(sums / max(size, 1))
 
 
 def rows(layout: _layout.WireLayout, signs: list, leaf_scales: jax.Array,

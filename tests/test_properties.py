@@ -43,9 +43,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
+import pytest
 
 from onebit_optax import _collective
 from onebit_optax import _compressor
+from onebit_optax import _wire
 
 N = 8
 F32_MAX = float(np.finfo(np.float32).max)
@@ -211,6 +213,22 @@ def test_signs_and_squares_match_packbits_and_numpy_sums(rows, words, seed):
   np.testing.assert_array_equal(np.asarray(blocks_signs), np.asarray(signs).reshape(-1))
   np.testing.assert_allclose(np.asarray(block_sums)[finite.all(1)],
                              expected.sum(1)[finite.all(1)], rtol=1e-5)
+
+
+@pytest.mark.parametrize("extra", [0, 5, 37, 128])
+def test_large_groups_compress_in_one_pass_as_each_leaf_alone(extra):
+  # From WORDS_FROM elements a group's signs and scales come from one pass, its leaves' last
+  # partial word and padding words formed apart: the bytes must be each leaf's packbits (padded
+  # with positive signs to whole blocks), the scales numpy's RMS of each leaf.
+  n = _compressor.WORDS_FROM + extra
+  x = np.random.default_rng(extra).standard_normal((2, n)).astype(np.float32)
+  x[:, -3:] = [-0.0, -1.0, 0.0]
+  signs, scales = _wire.group_compress(jnp.asarray(x))
+  pad = -n % 128
+  bits = np.concatenate([x >= 0, np.ones((2, pad), bool)], axis=1)
+  np.testing.assert_array_equal(np.asarray(signs), np.packbits(bits, axis=1, bitorder="little").reshape(-1))
+  np.testing.assert_allclose(np.asarray(scales), np.sqrt(np.mean(np.square(x.astype(np.float64)), 1)),
+                             rtol=1e-5)
 
 
 @settings(max_examples=15, deadline=None)
