@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _xla
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,7 +22,7 @@ def _rows(text: str, title: str) -> dict:
 
 def test_device_tables_on_a_cpu(tmp_path):
   out = tmp_path / "tables.md"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": _xla.flags()}  # one device, the session's codegen flags
   subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device_tables.py"), "--sizes", "1e4",
                   "--leaves", "2", "--leaves-size", "0", "--repeats", "2", "--out", str(out)],
                  check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
@@ -43,7 +45,7 @@ def test_zero1_warmup_lab_matches_adam_with_half_the_state(tmp_path):
   """benchmarks/zero1_warmup_lab.py (issue 25, item 4's route, not the package): Adam with its
   moments sharded over a 2-device mesh gives optax.adam + pmean's parameters and holds 2 D/n."""
   out = tmp_path / "lab.md"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**os.environ, "XLA_FLAGS": _xla.flags()}  # one device, the session's codegen flags
   subprocess.run([sys.executable, str(ROOT / "benchmarks" / "zero1_warmup_lab.py"), "--size", "1e4",
                   "--repeats", "2", "--out", str(out)],
                  check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
