@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BLOCK", "EXACT_BELOW", "GROUP_LEAVES", "FlatLayout", "WireLayout", "layout_for", "cached_layout",
+__all__ = ["BLOCK", "EXACT_BELOW", "GROUP_LEAVES", "STACK_BELOW", "FlatLayout", "WireLayout", "layout_for", "cached_layout",
            "wire_layout_for"]
 
 # Elements per block. Every leaf starts on a block boundary (it is zero-padded to a
@@ -179,6 +179,14 @@ EXACT_BELOW = 64
 # 0 and 1 D of temporaries for 8 and 9 leaves): buckets of 8 keep the copy fused, and
 # the program still grows with leaves / 8 per shape, not with leaves.
 GROUP_LEAVES = 8
+# Leaves of at least this many elements are a group of their own. XLA:CPU runs the
+# pass that forms a group's u (its gradients stacked, the mean decoded from the
+# signs) 2-3x slower per element on a stack of two or more leaves than on one
+# leaf (8 x 1M: 6-11 ms against 3.1-3.4 ms for 8 one-leaf groups, one thread):
+# for large leaves a compressed step cost ~2x Adam's (10 equal 1M matrices)
+# where one-leaf groups cost 1.2x. Below it the passes take microseconds and
+# stacking keeps the program small.
+STACK_BELOW = 1 << 16
 _SCALE_BYTES = 4
 
 
@@ -236,11 +244,13 @@ class WireLayout:
     """Per group: the ``range`` of its leaves' positions in :attr:`compressed`.
 
     A run of leaves of one shape is cut into groups of at most
-    :data:`GROUP_LEAVES` leaves.
+    :data:`GROUP_LEAVES` leaves; a leaf of :data:`STACK_BELOW` elements or
+    more is a group of its own.
     """
     out, start, shapes = [], 0, [self.shapes[i] for i in self.compressed]
+    limit = lambda k: 1 if math.prod(shapes[k]) >= STACK_BELOW else GROUP_LEAVES
     for k in range(1, len(shapes) + 1):
-      if k == len(shapes) or shapes[k] != shapes[start] or k - start == GROUP_LEAVES:
+      if k == len(shapes) or shapes[k] != shapes[start] or k - start == limit(start):
         out.append(range(start, k))
         start = k
     return tuple(out)

@@ -21,7 +21,8 @@ import _hlo
 
 TREES = {
     "two leaves": [(2000, 256), (488000,)],
-    "ten equal leaves": [(100_000,)] * 10,
+    "ten equal leaves": [(100_000,)] * 10,  # (each its own group: >= STACK_BELOW elements)
+    "twenty equal small leaves": [(200, 256)] * 20,  # (stacked: groups of 8, 8 and 4)
     "mixed, with exact leaves": [(1000, 600), (300_000,), (64, 1000), (300,), (10,), ()],
 }
 

@@ -169,3 +169,16 @@ def test_lowered_ops_per_leaf_against_adams(make_tx, ratio):
   ours = (_ops(make_tx, 80) - _ops(make_tx, 40)) / 40
   assert 25 <= adam <= 50, adam  # the count sees Adam's per-leaf operations
   assert ours <= ratio * adam, (ours, adam, ours / adam)
+
+
+def test_large_leaves_are_groups_of_their_own():
+  # Stacking keeps the program small for many small leaves; a large leaf is a group alone:
+  # a stack's u-forming pass ran 2-3x slower per element than one leaf's (_layout.STACK_BELOW).
+  big, small = (256, 256), (255, 256)
+  assert big[0] * big[1] == _layout.STACK_BELOW
+  shapes = (small,) * 10 + (big,) * 3 + ((64,),) * 2 + (small,)
+  layout = _layout.WireLayout(shapes, num_devices=2)
+  sizes = [len(span) for span in layout.groups]
+  assert sizes == [8, 3, 1, 1, 1, 2], sizes  # the smalls (11) run together, in groups of <= 8
+  assert [layout.group_shape(g) for g in range(len(sizes))] == [small, small, big, big, big, (64,)]
+  assert sorted(layout.compressed) == list(range(len(shapes)))
