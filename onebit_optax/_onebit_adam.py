@@ -127,9 +127,9 @@ def _write_sent(hp: _Hyper, plan: _groups.Plan, grads: list, state, at: _groups.
 
   def sent(local, grads):  # u = b1 m + (1 - b1) g + e, e formed from the stored u' (_groups.feedback)
     out = []
-    momenta = _groups.momenta(hp.b1, layout, state.momentum_message, grads)
+    momenta = _groups.momenta(hp.b1, layout, state.momentum_message, grads, at)
     for g, (span, u, m) in enumerate(zip(layout.groups, local, momenta)):
-      scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
+      scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g), at)[None]
       out.append((m + _groups.feedback(u, scale, state.feedback_valid)).astype(u.dtype))
     return tuple(out)
 

@@ -242,7 +242,7 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
   def values(source: str):
     def branch(local, g32):
       if source == "message":  # m decoded group by group, as 1-bit Adam's compression step
-        momenta = _groups.momenta(hp.b1, layout, state.momentum_message, g32)
+        momenta = _groups.momenta(hp.b1, layout, state.momentum_message, g32, sched.at)
         stacked = lambda g, span: momenta[g]
         exact = _groups.exact_momenta(hp.b1, layout, state.momentum_message, g32)
       else:
@@ -256,7 +256,7 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
       valid = jnp.logical_not(sched.fresh)
       groups = []
       for g, (span, u) in enumerate(zip(layout.groups, local)):
-        scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g))[None]
+        scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g), sched.at)[None]
         groups.append((stacked(g, span) + _groups.feedback(u, scale, valid)).astype(u.dtype))
       return tuple(groups), vary(exact)
     return branch
