@@ -7,7 +7,8 @@ the communication, compression and reductions grow with the number of
 distinct shapes instead; only Adam's own per-leaf moments and update remain
 per leaf, as in ``optax.adam``.
 
-A group is up to 8 compressed leaves of one shape (:attr:`WireLayout.groups`),
+A group is up to 8 compressed leaves of one shape (:attr:`WireLayout.groups`;
+a leaf of ``_layout.STACK_BELOW`` elements or more is a group of its own),
 stacked ``(leaves, *shape)`` in float32; the exact leaves (fewer than
 ``exact_below`` elements) travel together as one flat float32 vector. The
 gradients are stacked into their groups where the compression consumes them
