@@ -245,12 +245,13 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
         momenta = _groups.momenta(hp.b1, layout, state.momentum_message, g32, sched.at)
         stacked = lambda g, span: momenta[g]
         exact = _groups.exact_momenta(hp.b1, layout, state.momentum_message, g32)
+      elif source == "mu":  # m and g stacked, then one expression a group (not one a leaf)
+        stack = lambda leaves, span: jnp.stack([leaves[layout.compressed[k]] for k in span])
+        stacked = lambda g, span: _momentum(hp, stack(old.mu, span), stack(g32, span))[None]
+        exact = _groups.exact(layout, {i: _momentum(hp, old.mu[i], g32[i]) for i in layout.exact})
       else:
-        if source == "mu":
-          value = lambda i: _momentum(hp, old.mu[i], g32[i])
-        else:
-          denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2, sched.at)
-          value = lambda i: _outgoing_leaf(hp, plan, sched, old, i, g32[i], denominators, bc1)
+        denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2, sched.at)
+        value = lambda i: _outgoing_leaf(hp, plan, sched, old, i, g32[i], denominators, bc1)
         stacked = lambda g, span: jnp.stack([value(layout.compressed[k]) for k in span])[None]
         exact = _groups.exact(layout, {i: value(i) for i in layout.exact})
       valid = jnp.logical_not(sched.fresh)
