@@ -134,11 +134,14 @@ def split(leaf_sizes, exact_below=EXACT_BELOW, shapes=None):
   return compressed, [i for i, s in enumerate(sizes) if 0 < s < exact_below]
 
 
-def groups(compressed, shapes, most=8):
-  """The compressed leaves (in ``split``'s order) cut into groups: one shape, at most ``most`` leaves."""
+def groups(compressed, shapes, most=8, stack_below=1 << 16):
+  """The compressed leaves (in ``split``'s order) cut into groups: one shape, at most ``most``
+  leaves; a leaf of ``stack_below`` elements or more alone."""
   out = []
   for i in compressed:
-    if out and tuple(shapes[out[-1][0]]) == tuple(shapes[i]) and len(out[-1]) < most:
+    size = int(np.prod(shapes[i], dtype=np.int64))
+    if (out and tuple(shapes[out[-1][0]]) == tuple(shapes[i]) and len(out[-1]) < most
+        and size < stack_below):
       out[-1].append(i)
     else:
       out.append([i])
