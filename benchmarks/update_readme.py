@@ -152,20 +152,20 @@ def _throughput_rows(link) -> list[str]:
 
 
 def _compute_rows(link) -> list[str]:
-  """Both optimizers' compressed steps at 10M, from one zero_one_compute run (side by side)."""
-  data = _load("zero_one_compute")
-  if data is None:
-    return []
+  """Both optimizers' compressed steps at 10M, from one zero_one_compute run (side by side):
+  the 6-leaf tree, then 300 leaves in 20 shapes (``--leaves 300``, zero_one_compute_leaves)."""
   rows = []
-  for run in data["runs"]:
-    if run["size"] != 10_000_000:
-      continue
-    where = "one device" if run["setting"] == "single" else "2-device mesh, per device"
-    onebit = run["median_s"]["1-bit compression"] / run["median_s"]["adam"]
-    rows.append(_row("optimizer step time vs `optax.adam`, compressed steps",
-                     f"{where}, 10M parameters, CPU", f"{onebit:.2f}x",
-                     _zero_one_compute(data, run["setting"], run["size"]),
-                     f"{link('zero_one_compute')} ({data['commit']})"))
+  for name, tree in (("zero_one_compute", ""), ("zero_one_compute_leaves", " in 300 leaves")):
+    data = _load(name)
+    for run in (data or {}).get("runs", []):
+      if run["size"] != 10_000_000:
+        continue
+      where = "one device" if run["setting"] == "single" else "2-device mesh, per device"
+      onebit = run["median_s"]["1-bit compression"] / run["median_s"]["adam"]
+      rows.append(_row("optimizer step time vs `optax.adam`, compressed steps",
+                       f"{where}, 10M parameters{tree}, CPU", f"{onebit:.2f}x",
+                       _zero_one_compute(data, run["setting"], run["size"]),
+                       f"{link(name)} ({data['commit']})"))
   return rows
 
 
