@@ -14,6 +14,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding
@@ -182,3 +183,22 @@ def test_large_leaves_are_groups_of_their_own():
   assert sizes == [8, 3, 1, 1, 1, 2], sizes  # the smalls (11) run together, in groups of <= 8
   assert [layout.group_shape(g) for g in range(len(sizes))] == [small, small, big, big, big, (64,)]
   assert sorted(layout.compressed) == list(range(len(shapes)))
+
+
+def test_leaf_sums_reduce_large_leaves_alone():
+  # The finite check and the variance norm sum every leaf. Small leaves of a shape share
+  # one variadic reduction (one instruction); XLA:CPU runs those element by element, 2-3x
+  # slower than one leaf's reduction, so a leaf of REDUCE_ALONE elements or more is
+  # reduced alone (measured, 300 leaves of 16k-50k: 11.8 -> 4.2 ms; 1-bit warmup
+  # 1.67x -> 1.40x Adam's step, 0/1 variance step 2.23x -> 1.57x).
+  from onebit_optax import _groups
+  rng = np.random.default_rng(0)
+  big, small = (_groups.REDUCE_ALONE // 64, 64), (_groups.REDUCE_ALONE // 64 - 1, 64)
+  shapes = [big, small, big, small, small, (7,), big]
+  leaves = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+  jaxpr = jax.make_jaxpr(_groups.sums)([jnp.asarray(x) for x in leaves])
+  operands = sorted(len(e.invars) // 2 if e.primitive.name == "reduce" else len(e.invars)
+                    for e in jaxpr.eqns if e.primitive.name.startswith("reduce"))
+  assert operands == [1, 1, 1, 1, 3], operands  # 3 bigs alone, the 3 smalls together, (7,)
+  np.testing.assert_allclose(_groups.sums([jnp.asarray(x) for x in leaves]),
+                             [x.astype(np.float64).sum() for x in leaves], rtol=1e-5, atol=1e-3)
