@@ -141,15 +141,11 @@ def _sent(plan, grads, st, first, hand_over: str):
   ``first`` (the first compressed step, with ``hand_over`` 'first compressed step'): the
   buffer still holds the warmup's shards; e is beta1 m, gathered from them.
   """
-  layout, out = plan.layout, []
-  momenta = _groups.momenta(B1, layout, st.momentum_message, grads)
   local = st.local_momentum
   if hand_over == "first compressed step":
     local = jax.lax.cond(first, lambda u: _freeze_local(plan, u), lambda u: u, local)
-  for g, (span, u, m) in enumerate(zip(layout.groups, local, momenta)):
-    scale = _groups.group_scale(st.worker_scale[0], span, layout.group_shape(g))[None]
-    out.append((m + _groups.feedback(u, scale, st.feedback_valid)).astype(u.dtype))
-  return tuple(out)
+  return _groups.write_sent(jnp.bool_(True), B1, plan.layout, st.momentum_message, grads, local,
+                            st.worker_scale[0], st.feedback_valid)
 
 
 def _warm_moments(plan, grads, local, exact_mu, exact_nu):

@@ -123,18 +123,8 @@ def _write_sent(hp: _Hyper, plan: _groups.Plan, grads: list, state, at: _groups.
   """
   if state.local_momentum is None:
     return None
-  layout = plan.layout
-
-  def sent(local, grads):  # u = b1 m + (1 - b1) g + e, e formed from the stored u' (_groups.feedback)
-    out = []
-    momenta = _groups.momenta(hp.b1, layout, state.momentum_message, grads, at)
-    for g, (span, u, m) in enumerate(zip(layout.groups, local, momenta)):
-      scale = _groups.group_scale(state.worker_scale[0], span, layout.group_shape(g), at)[None]
-      out.append((m + _groups.feedback(u, scale, state.feedback_valid)).astype(u.dtype))
-    return tuple(out)
-
-  return jax.lax.cond(state.frozen, sent, lambda local, grads: local, state.local_momentum,
-                      grads)
+  return _groups.write_sent(state.frozen, hp.b1, plan.layout, state.momentum_message, grads,
+                            state.local_momentum, state.worker_scale[0], state.feedback_valid, at)
 
 
 def _compression(hp: _Hyper, plan: _groups.Plan, grads: list, local, state, at) -> _Exchange:

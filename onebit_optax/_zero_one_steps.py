@@ -241,11 +241,7 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
 
   def values(source: str):
     def branch(local, g32):
-      if source == "message":  # m decoded group by group, as 1-bit Adam's compression step
-        momenta = _groups.momenta(hp.b1, layout, state.momentum_message, g32, sched.at)
-        stacked = lambda g, span: momenta[g]
-        exact = _groups.exact_momenta(hp.b1, layout, state.momentum_message, g32)
-      elif source == "mu":  # m and g stacked, then one expression a group (not one a leaf)
+      if source == "mu":  # m and g stacked, then one expression a group (not one a leaf)
         stack = lambda leaves, span: jnp.stack([leaves[layout.compressed[k]] for k in span])
         stacked = lambda g, span: _momentum(hp, stack(old.mu, span), stack(g32, span))[None]
         exact = _groups.exact(layout, {i: _momentum(hp, old.mu[i], g32[i]) for i in layout.exact})
@@ -262,13 +258,17 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
       return tuple(groups), vary(exact)
     return branch
 
-  def keep(local, g32):
-    return local, vary(jnp.zeros((layout.exact_size,), F32))
+  zeros = lambda *_: vary(jnp.zeros((layout.exact_size,), F32))
+  keep = lambda local, g32: (local, zeros())
 
   is_compressed = sched.kind == COMPRESSED
   in_message = state.mu_in_message
-  local, exact = jax.lax.cond(is_compressed & in_message, values("message"), keep,
-                              state.local_sent, g32)
+  from_message = is_compressed & in_message  # (m decoded from it, as 1-bit Adam's compression)
+  local = _groups.write_sent(from_message, hp.b1, layout, state.momentum_message, g32,
+                             state.local_sent, state.worker_scale[0], jnp.logical_not(sched.fresh),
+                             sched.at)
+  exact = jax.lax.cond(from_message, lambda g32: vary(_groups.exact_momenta(
+      hp.b1, layout, state.momentum_message, g32)), zeros, g32)
   local, first = jax.lax.cond(is_compressed & jnp.logical_not(in_message), values("mu"), keep,
                               local, g32)
   exact = jnp.where(in_message, exact, first)
