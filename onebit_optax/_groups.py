@@ -117,6 +117,10 @@ def _alone(span: range, at: Offsets | None) -> bool:
   return at is not None and len(span) == 1
 
 
+# A stacked group of this many elements or more is written in two passes (see :func:`write_sent`).
+TWO_PASSES_FROM = 1 << 15
+
+
 def write_sent(pred, b1, layout: _layout.WireLayout, message: jax.Array, grads: list,
                local: tuple, scales: jax.Array, valid, at: Offsets | None = None) -> tuple:
   r"""Where ``pred``: what each device sends of every group, :math:`u = \beta_1 m + (1-\beta_1) g + e`, written over ``local``.
@@ -137,9 +141,13 @@ def write_sent(pred, b1, layout: _layout.WireLayout, message: jax.Array, grads: 
   thread: 1.85 ns an element, against 1.1 for the two passes together; the
   1-bit compression step on 300 such leaves, 10M: 1.94x -> 1.65x Adam's). A
   group of one leaf has no concatenate and takes one pass (the two: 0.82 ->
-  1.04 ns an element).
+  1.04 ns an element), and so does a group of fewer than :data:`TWO_PASSES_FROM`
+  elements: the second pass's kernel is about 1,900 lines of LLVM IR a group
+  (the one pass's about 940), and ``compile_time``'s 300 leaves of ~1000
+  elements (groups of 8k) compiled with 35% more IR, for microseconds a step.
   """
-  stacked_groups = [g for g, span in enumerate(layout.groups) if not _alone(span, at)]
+  stacked_groups = [g for g, span in enumerate(layout.groups) if not _alone(span, at)
+                    and len(span) * math.prod(layout.group_shape(g)) >= TWO_PASSES_FROM]
 
   def decoded(signs, g: int):  # (1, leaves, *shape) float32
     span = layout.groups[g]
