@@ -175,7 +175,8 @@ def _zero_one_compute(data, setting: str, size: int) -> str:
     if run["setting"] == setting and run["size"] == size:
       med = run["median_s"]
       ratio = lambda kind: med[f"0/1 {kind}"] / med["adam"]
-      return f"{ratio('compressed'):.2f}x (sync {ratio('sync'):.2f}x)"
+      local = (f", with local steps {ratio('local sync'):.2f}x" if "0/1 local sync" in med else "")
+      return f"{ratio('compressed'):.2f}x (sync {ratio('sync'):.2f}x{local})"
   return NONE
 
 

@@ -17,7 +17,8 @@ real schedule is run until the next ``--repeats`` steps are all of the kind
 ``var_update_scaler=1`` (variance steps at 1, 2, 4, 8, ...); local,
 ``local_steps=64``, ``local_step_scaler=1`` (after the freeze at step 12 the
 interval between syncs doubles to 64); sync, ``local_steps=None`` (every step
-after the freeze is a sync). Every contestant trains on, as in a training loop:
+after the freeze is a sync); local sync, ``local_steps=1`` (every step after
+the freeze is a sync of one local step: what a sync costs with local steps). Every contestant trains on, as in a training loop:
 each timed call donates the state that the previous one returned. (Until
 this version each 0/1 Adam call started from a copy of one state, which was
 slower on its own: in the 2-device mesh at 10M, 1-bit compression 1.72x Adam
@@ -89,7 +90,9 @@ NEVER = 10**9
 KINDS = {"variance": dict(var_freeze_step=NEVER, var_update_scaler=NEVER),
          "compressed": dict(var_freeze_step=NEVER, var_update_scaler=1),
          "local": dict(var_freeze_step=FREEZE, local_steps=64, local_step_scaler=1),
-         "sync": dict(var_freeze_step=FREEZE)}
+         "sync": dict(var_freeze_step=FREEZE),
+         # a sync of local steps (local_steps=1: every step after the freeze is one)
+         "local sync": dict(var_freeze_step=FREEZE, local_steps=1, local_step_scaler=1)}
 
 
 def make_tree(size: int, seed: int = 0, leaves: int = 0):
@@ -163,7 +166,7 @@ def _ahead(state, kind: str) -> int:
     return (count // value(s.var_interval) + 1) * value(s.var_interval) - count - 1
   if count < FREEZE:
     return 0
-  if kind == "sync":
+  if kind in ("sync", "local sync"):
     return NEVER
   return value(s.local_interval) - value(s.since_sync) - 1  # local steps before the next sync
 
@@ -185,7 +188,7 @@ def _optimizer(name: str, axis):
     return optax.adam(LR)
   if name.startswith("1-bit"):
     return onebit_optax.onebit_adam(LR, axis_name=axis, freeze=NEVER if name.endswith("warmup") else 1)
-  return onebit_optax.zero_one_adam(LR, axis_name=axis, **KINDS[name.split()[-1]])
+  return onebit_optax.zero_one_adam(LR, axis_name=axis, **KINDS[name.removeprefix("0/1 ")])
 
 
 def contestant(name: str, size: int, grads, mesh=None, repeats: int = 1, leaves: int = 0):
@@ -195,7 +198,7 @@ def contestant(name: str, size: int, grads, mesh=None, repeats: int = 1, leaves:
   state = _init(tx, params, mesh, onebit)
   step = _step(tx, mesh, state, onebit)
   if name.startswith("0/1"):
-    return (step, *_into_run(step, params, state, grads, name.split()[-1], repeats + 1))
+    return (step, *_into_run(step, params, state, grads, name.removeprefix("0/1 "), repeats + 1))
   for _ in range(3):
     params, state = step(params, state, grads)
   return step, params, state
@@ -331,7 +334,8 @@ def render(data, before=None) -> list:
            "state its last call returned, each 0/1 Adam kind in a run of its kind (its own "
            f"schedule: variance, `var_update_scaler={NEVER}`; compressed, "
            "`var_update_scaler=1`; local, `local_steps=64, local_step_scaler=1`; sync, "
-           f"`local_steps=None` after `var_freeze_step={FREEZE}`; each timed step's kind "
+           f"`local_steps=None` after `var_freeze_step={FREEZE}`; local sync, `local_steps=1` "
+           "(every step after the freeze a sync of one local step); each timed step's kind "
            "checked). D = parameter bytes (4 x count). HLO: "
            "the compiled step's `copy` instructions and their size, `conditional` count, the "
            "largest conditional's result tuple, `memory_analysis().temp_size_in_bytes` (per "
