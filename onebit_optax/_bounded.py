@@ -56,6 +56,7 @@ class Scalars(NamedTuple):
   low: jax.Array  # shape=(), float32: the clip, -B where bounded, -inf where not.
   high: jax.Array  # shape=(), float32: +B where bounded, +inf where not.
   still_to: jax.Array  # shape=(), float32: a coordinate with v <= still_to stays put (still_threshold).
+  zero: jax.Array  # shape=(), float32: 0 (what such a coordinate steps).
 
 
 def still_threshold(finite, only_where_variance) -> jax.Array:
@@ -76,7 +77,7 @@ def scalars(b1, b2, eps, max_update, bc1, bc2, *, bounded, finite,
   bound = adam_update_bound(b1, b2) if max_update is None else jnp.asarray(max_update, F32)
   bound = jnp.where(bounded, bound, jnp.inf)
   return Scalars(jnp.asarray(bc1, F32), jnp.asarray(bc2, F32), jnp.asarray(eps, F32), -bound,
-                 bound, still_threshold(finite, zero_without_variance))
+                 bound, still_threshold(finite, zero_without_variance), jnp.zeros((), F32))
 
 
 def floors(variance_floor, nu_l1, sizes, bc2, bounded) -> jax.Array:
@@ -106,8 +107,9 @@ def bounded_step(m, nu, floor, s: Scalars) -> jax.Array:
   estimated: its momentum is the compressor's sign noise, which
   :math:`1/\epsilon` would amplify); ``finite`` False: 0 everywhere (a
   skipped step). The scalars are formed once per step, so that each leaf's
-  step is one pass from its moments.
+  step is one pass from its moments; ``s`` may hold them broadcast to the
+  leaf's shape (:class:`_layout.PerShape`).
   """
   v_hat = jnp.maximum(nu / s.bc2, floor)
   step = jnp.minimum(jnp.maximum((m / s.bc1) / (jnp.sqrt(v_hat) + s.eps), s.low), s.high)
-  return jnp.where(nu <= s.still_to, 0.0, step)
+  return jnp.where(nu <= s.still_to, s.zero, step)

@@ -82,7 +82,7 @@ def scalars(pred, values) -> tuple:
   """
   values = [int(v) for v in values]
   return jax.lax.cond(pred, lambda: tuple(jnp.int32(v) for v in values),
-                      lambda: tuple(jnp.int32(0) for _ in values))
+                      lambda: (jnp.int32(0),) * len(values))  # (one constant, not one a leaf)
 
 
 def at_index(vector: jax.Array, index) -> jax.Array:
@@ -275,7 +275,7 @@ def sums(leaves: list) -> jax.Array:
   out = [None] * len(leaves)
   for (shape, dtype, _, _), indices in by_kind.items():
     xs = tuple(leaves[i] for i in indices)
-    totals = jax.lax.reduce(xs, tuple(jnp.zeros((), dtype) for _ in xs),
+    totals = jax.lax.reduce(xs, (jnp.zeros((), dtype),) * len(xs),
                             lambda a, b: tuple(x + y for x, y in zip(a, b)),
                             tuple(range(len(shape))))
     for i, total in zip(indices, totals):

@@ -232,13 +232,30 @@ def _no_moments(state) -> _Moments:
                   state.reference_l1, jnp.float32(0))
 
 
+class _Decays(NamedTuple):
+  """The scalars of Adam's moments (:func:`_adam_moments`), broadcast per shape."""
+
+  finite: jax.Array  # () bool
+  scale: jax.Array  # () float32: what makes the gradients' sum their mean
+  b1: jax.Array
+  c1: jax.Array  # 1 - b1
+  b2: jax.Array
+  c2: jax.Array  # 1 - b2
+
+
 def _adam_moments(hp: _Hyper, total: list, scale, state, finite):
   """Adam's moments of the mean gradient ``total * scale``, leaf by leaf (kept on a skipped step)."""
   mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-  new_mu = [jnp.where(finite, hp.b1 * m.astype(F32) + (1.0 - hp.b1) * (g * scale), m)
-            .astype(m.dtype) for m, g in zip(mus, total)]
-  new_nu = [jnp.where(finite, hp.b2 * v.astype(F32) + (1.0 - hp.b2) * jnp.square(g * scale), v)
-            .astype(v.dtype) for v, g in zip(nus, total)]
+  f32 = lambda x: jnp.asarray(x, F32)  # (1 - b as Python computes it for a float b, as optax does)
+  decays = _layout.PerShape(_Decays(finite, f32(scale), f32(hp.b1), f32(1.0 - hp.b1), f32(hp.b2),
+                                     f32(1.0 - hp.b2)))
+  new_mu, new_nu = [], []
+  for m, v, g in zip(mus, nus, total):
+    k = decays(jnp.shape(g))
+    mean = g * k.scale
+    new_mu.append(jnp.where(k.finite, k.b1 * m.astype(F32) + k.c1 * mean, m).astype(m.dtype))
+    new_nu.append(jnp.where(k.finite, k.b2 * v.astype(F32) + k.c2 * jnp.square(mean), v)
+                  .astype(v.dtype))
   return new_mu, new_nu
 
 
@@ -295,7 +312,8 @@ def _updates(hp: _Hyper, plan: _groups.Plan, grads, state, ex: _Exchange, mo: _M
   """The update of every leaf, from the new moments (warmup) or the new message (compression)."""
   bc1 = _bounded.bias_correction(hp.b1, count)
   bc2 = _bounded.bias_correction(hp.b2, jnp.where(state.frozen, state.freeze_step, count))
-  scalars = _step_scalars(hp, state.frozen, bc1, bc2, ex.finite & mo.finite)
+  scalars = _layout.PerShape(_Frozen(state.frozen, _step_scalars(
+      hp, state.frozen, bc1, bc2, ex.finite & mo.finite)))
   layout, out = plan.layout, []
   means = _groups.mean_leaves(layout, ex.gathered, at)
   floors = _bounded.floors(hp.variance_floor, mo.nu_l1, layout.sizes, bc2, state.frozen)
@@ -303,10 +321,18 @@ def _updates(hp: _Hyper, plan: _groups.Plan, grads, state, ex: _Exchange, mo: _M
     if plan.kind(i)[0] == "z":
       out.append(jnp.zeros(jnp.shape(g), g.dtype))  # replicated, as every other update
       continue
-    mean = jnp.where(state.frozen, means[i], mo.mu[i].astype(F32))
+    here = scalars(jnp.shape(g))
+    mean = jnp.where(here.frozen, means[i], mo.mu[i].astype(F32))
     floor = _groups.at_index(floors, at.leaves[i])
-    out.append(_bounded.bounded_step(mean, mo.nu[i].astype(F32), floor, scalars).astype(g.dtype))
+    out.append(_bounded.bounded_step(mean, mo.nu[i].astype(F32), floor, here.step).astype(g.dtype))
   return out
+
+
+class _Frozen(NamedTuple):
+  """The scalars of every leaf's update (:func:`_updates`), broadcast per shape."""
+
+  frozen: jax.Array  # () bool
+  step: _bounded.Scalars
 
 
 def _check_float_dtype(name, dtype):

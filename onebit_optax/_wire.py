@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +113,14 @@ class Stream(NamedTuple):
 
   blocks: jax.Array  # (blocks, 16) uint8: the packed signs, 128 elements a block.
   scales: jax.Array  # (blocks,) float32: each block's scale (its wire segment's).
+  unpack: Any = None  # _layout.PerShape of _Bits: what unpacks a leaf's bytes, per shape.
+
+
+class _Bits(NamedTuple):
+  """What unpacks a byte's 8 signs (:func:`_decoded`)."""
+
+  shifts: jax.Array  # (8,) uint8: bit k of byte j holds the sign of element 8 j + k.
+  one: jax.Array  # () uint8
 
 
 def stream(layout: _layout.WireLayout, gathered: jax.Array) -> Stream:
@@ -120,14 +128,24 @@ def stream(layout: _layout.WireLayout, gathered: jax.Array) -> Stream:
   blocks = gathered[:, :layout.chunk_bytes].reshape(-1, _BLOCK // 8)
   scales = scales_from_bytes(
       gathered[:, layout.chunk_bytes:layout.chunk_bytes + 4 * layout.segments]).reshape(-1)
-  return Stream(blocks, scales[jnp.asarray(layout.bits.tables.wire_segment)])
+  bits = _layout.PerShape(_Bits(jnp.arange(8, dtype=jnp.uint8), jnp.uint8(1)))
+  return Stream(blocks, scales[jnp.asarray(layout.bits.tables.wire_segment)], bits)
 
 
 def _decoded(signs: Stream, start, nblocks: int) -> jax.Array:
-  """``nblocks`` blocks of the stream from block ``start`` decoded: ``(nblocks, 128)`` float32."""
+  """``nblocks`` blocks of the stream from block ``start`` decoded: ``(nblocks, 128)`` float32.
+
+  :func:`_compressor.sign_decompress`'s values, the block's scale where a bit
+  is set and its negative where not, in few operations a leaf: what unpacks
+  the bytes is broadcast once per shape (``signs.unpack``). Elementwise, so
+  XLA fuses it into the pass that reads it.
+  """
   packed = jax.lax.dynamic_slice_in_dim(signs.blocks, start, nblocks, allow_negative_indices=False)
   scale = jax.lax.dynamic_slice_in_dim(signs.scales, start, nblocks, allow_negative_indices=False)
-  return _compressor.sign_decompress(packed, scale, _BLOCK)
+  bits = signs.unpack((nblocks, _BLOCK // 8, 8))
+  positive = ((packed[:, :, None] >> bits.shifts) & bits.one) == bits.one
+  scale = jnp.broadcast_to(scale[:, None], (nblocks, _BLOCK))
+  return jnp.where(positive.reshape(nblocks, _BLOCK), scale, -scale)
 
 
 def first_blocks(layout: _layout.WireLayout) -> np.ndarray:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from onebit_optax import _bounded
 from onebit_optax import _collective
 from onebit_optax import _groups
+from onebit_optax import _layout
 
 F32 = jnp.float32
 
@@ -113,15 +114,42 @@ def leaves_or_none(tree):
 def _preconditioners(hp: Hyper, plan: Plan, nus, nu_l1, bc2, at: _groups.Offsets) -> list:
   r"""Per leaf, the frozen preconditioner's denominator :math:`\sqrt{\max(\hat v, f\bar{\hat v})} + \epsilon`."""
   floor = floors(hp, plan, nu_l1, bc2, at)
-  return [jnp.sqrt(jnp.maximum(v / bc2, floor[i])) + hp.eps for i, v in enumerate(nus)]
+  scalars = _layout.PerShape((jnp.asarray(bc2, F32), jnp.asarray(hp.eps, F32)))
+  out = []
+  for i, v in enumerate(nus):
+    bc2_here, eps = scalars(jnp.shape(v))
+    out.append(jnp.sqrt(jnp.maximum(v / bc2_here, floor[i])) + eps)
+  return out
 
 
-def _momentum(hp: Hyper, base, g):
-  r"""A device's momentum after its own gradient, :math:`\beta_1 m + (1-\beta_1) g_i`."""
-  return hp.b1 * base + (1.0 - hp.b1) * g.astype(F32)
+class _Own(NamedTuple):
+  """The scalars of a device's own step and of a sync's restart, broadcast per shape (:func:`_own`)."""
+
+  b1: jax.Array
+  c1: jax.Array  # 1 - b1
+  bc1: jax.Array  # 1 - b1^t
+  weight_decay: jax.Array
+  lr: jax.Array  # this step's learning rate (local steps; else 0)
+  lr_sum: jax.Array  # the rates' sum since the sync, this step's included
+  moved: jax.Array  # () bool: lr_sum > 0
+  zero: jax.Array
 
 
-def _progress(hp: Hyper, plan: Plan, i, m, nu, denominator, bc1, a, param, lr):
+def _own(hp: Hyper, state, sched: Schedule, bc1) -> _layout.PerShape:
+  """The :class:`_Own` scalars (make them in the branch that uses them, see :class:`_layout.PerShape`)."""
+  f32 = lambda x: jnp.asarray(x, F32)  # (1 - b1 as Python computes it for a float b1)
+  lr_sum = state.lr_sum + sched.lr
+  return _layout.PerShape(_Own(f32(hp.b1), f32(1.0 - hp.b1), f32(bc1), f32(hp.weight_decay),
+                               f32(sched.lr), f32(lr_sum), lr_sum > 0, jnp.zeros((), F32)))
+
+
+def _momentum(own: _layout.PerShape, base, g):
+  r"""A device's momentum after its own gradient, :math:`\beta_1 m + (1-\beta_1) g_i` (``own``: :func:`_own`)."""
+  k = own(jnp.shape(base))
+  return k.b1 * base + k.c1 * g.astype(F32)
+
+
+def _progress(own: _layout.PerShape, plan: Plan, i, m, nu, denominator, a, param):
   r"""This device's progress after its own step: :math:`a_i - \eta(d_i + \lambda\theta_i)`.
 
   :math:`d_i = \hat m_i/(\sqrt{\max(\hat v, f\bar{\hat v})}+\epsilon)` is
@@ -134,14 +162,15 @@ def _progress(hp: Hyper, plan: Plan, i, m, nu, denominator, bc1, a, param, lr):
   device's copy of the parameters (:func:`local_params` with the state); the
   parameters themselves do not move.
   """
-  d = jnp.where(nu > 0, (m / bc1) / denominator, 0.0)
+  k = own(jnp.shape(m))
+  d = jnp.where(nu > k.zero, (m / k.bc1) / denominator, k.zero)
   theta = a if param is None else param.astype(F32) + a
   if plan.decays(i):
-    d = d + hp.weight_decay * theta
-  return a - lr * d
+    d = d + k.weight_decay * theta
+  return a - k.lr * d
 
 
-def _momentum_after_sync(hp: Hyper, plan: Plan, i, avg, denominator, bc1, lr_sum, params):
+def _momentum_after_sync(own: _layout.PerShape, plan: Plan, i, avg, denominator, params):
   r"""The restarted momentum :math:`m = (1-\beta_1^t)(-\bar a/\sum\eta - \lambda\theta(\sqrt{\hat v}+\epsilon))`.
 
   :math:`-\bar a/\sum\eta` is the average step in Adam's units, weight decay
@@ -151,9 +180,10 @@ def _momentum_after_sync(hp: Hyper, plan: Plan, i, avg, denominator, bc1, lr_sum
   :math:`1/(1-\beta_1)` times over (with a sync every step: +37% held-out loss
   on the digits MLP at weight decay 0.1, ``benchmarks/zero_one_volume.py``).
   """
-  m = -avg * bc1 / lr_sum
+  k = own(jnp.shape(avg))
+  m = -avg * k.bc1 / k.lr_sum
   if params is not None and plan.decays(i):
-    m = m - hp.weight_decay * params[i].astype(F32) * denominator * bc1
+    m = m - k.weight_decay * params[i].astype(F32) * denominator * k.bc1
   return m
 
 
@@ -212,7 +242,7 @@ class _Old(NamedTuple):
   params: Optional[list]
 
 
-def _outgoing_leaf(hp: Hyper, plan: Plan, sched: Schedule, old: _Old, i, g, denominators, bc1):
+def _outgoing_leaf(own: _layout.PerShape, plan: Plan, sched: Schedule, old: _Old, i, g, denominators):
   r"""What a sync sends of leaf ``i`` before its error feedback: :math:`a_i(\sqrt{\hat v}+\epsilon)`.
 
   :math:`a_i` is this device's progress after this step (:func:`_progress`),
@@ -220,8 +250,8 @@ def _outgoing_leaf(hp: Hyper, plan: Plan, sched: Schedule, old: _Old, i, g, deno
   """
   base = jnp.where(sched.fresh, old.mu[i], old.local_mu[i][0])
   param = None if old.params is None else old.params[i]
-  a = _progress(hp, plan, i, _momentum(hp, base, g), old.nu[i], denominators[i], bc1,
-                old.accumulator[i][0], param, sched.lr)
+  a = _progress(own, plan, i, _momentum(own, base, g), old.nu[i], denominators[i],
+                old.accumulator[i][0], param)
   return a * denominators[i]
 
 
@@ -241,13 +271,14 @@ def _write_sent(hp: Hyper, plan: Plan, g32, state, sched: Schedule, old: _Old, b
 
   def values(source: str):
     def branch(local, g32):
+      own = _own(hp, state, sched, bc1)
       if source == "mu":  # m and g stacked, then one expression a group (not one a leaf)
         stack = lambda leaves, span: jnp.stack([leaves[layout.compressed[k]] for k in span])
-        stacked = lambda g, span: _momentum(hp, stack(old.mu, span), stack(g32, span))[None]
-        exact = _groups.exact(layout, {i: _momentum(hp, old.mu[i], g32[i]) for i in layout.exact})
+        stacked = lambda g, span: _momentum(own, stack(old.mu, span), stack(g32, span))[None]
+        exact = _groups.exact(layout, {i: _momentum(own, old.mu[i], g32[i]) for i in layout.exact})
       else:
         denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2, sched.at)
-        value = lambda i: _outgoing_leaf(hp, plan, sched, old, i, g32[i], denominators, bc1)
+        value = lambda i: _outgoing_leaf(own, plan, sched, old, i, g32[i], denominators)
         stacked = lambda g, span: jnp.stack([value(layout.compressed[k]) for k in span])[None]
         exact = _groups.exact(layout, {i: value(i) for i in layout.exact})
       valid = jnp.logical_not(sched.fresh)
@@ -299,9 +330,15 @@ def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, g32, finite
              _collective.psum_leaves(g32, plan.axes.slow, plan.axes.n_slow))
     finite = finite & _finite_mean(hp, plan, total)
     decay = variance_decay(hp, state, sched.count)
-    mu = [jnp.where(finite, hp.b1 * m + (1.0 - hp.b1) * (t * scale), m) for m, t in zip(mu, total)]
-    nu = [jnp.where(finite, decay * v + (1.0 - decay) * jnp.square(t * scale), v)
-          for v, t in zip(nu, total)]
+    f32 = lambda x: jnp.asarray(x, F32)  # (1 - b1 as Python computes it for a float b1)
+    decays = _layout.PerShape(_Decays(finite, f32(scale), f32(hp.b1), f32(1.0 - hp.b1), decay,
+                                      1.0 - decay))
+    mu, nu = list(mu), list(nu)
+    for i, t in enumerate(total):
+      k = decays(jnp.shape(t))
+      mean = t * k.scale
+      mu[i] = jnp.where(k.finite, k.b1 * mu[i] + k.c1 * mean, mu[i])
+      nu[i] = jnp.where(k.finite, k.b2 * nu[i] + k.c2 * jnp.square(mean), nu[i])
     # (summed from the new buffers, not from a second pass over the old ones)
     return mu, nu, jnp.where(finite, _groups.sums(nu), state.nu_l1), finite
 
@@ -330,14 +367,13 @@ def _onebit_mu(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, 
   """``m`` after a sync with local steps (restarted); other steps pass it through (a compressed step's ``m`` is its message)."""
   if hp.local_steps is None:
     return mu
-  lr_sum = state.lr_sum + sched.lr
 
   def synced(mu):
     means = _groups.mean_leaves(plan.layout, gathered, sched.at)
     denominators = _preconditioners(hp, plan, nu, state.nu_l1, bc2, sched.at)
-    restarted = lambda i: _momentum_after_sync(hp, plan, i, means[i], denominators[i], bc1,
-                                               lr_sum, old.params)
-    return [m if plan.kind(i)[0] == "z" else jnp.where(lr_sum > 0, restarted(i), m)
+    own = _own(hp, state, sched, bc1)
+    restarted = lambda i: _momentum_after_sync(own, plan, i, means[i], denominators[i], old.params)
+    return [m if plan.kind(i)[0] == "z" else jnp.where(own(jnp.shape(m)).moved, restarted(i), m)
             for i, m in enumerate(mu)]
 
   return jax.lax.cond(_is_sync(sched) & finite, synced, lambda mu: mu, mu)
@@ -372,17 +408,41 @@ def _updates(hp: Hyper, plan: Plan, state, sched: Schedule, gathered, mu, nu, nu
     factor = jnp.where(sched.kind == LOCAL, jnp.where(sched.sync, -lr_sum, 0.0), -sched.lr)
   is_compressed = sched.kind == COMPRESSED  # (m: the new message, decoded leaf by leaf)
   means = _groups.mean_leaves(plan.layout, gathered, sched.at)
+  per_shape = _layout.PerShape(_UpdateScalars(scalars, is_compressed, decay_still_to,
+                                              jnp.asarray(hp.weight_decay, F32), factor))
   out = []
   for i, (m, v) in enumerate(zip(mu, nu)):
     if plan.kind(i)[0] == "z":
       out.append(_zeros_like(m))
       continue
-    d = _bounded.bounded_step(jnp.where(is_compressed, means[i], m), v, floor[i], scalars)
+    k = per_shape(jnp.shape(m))
+    d = _bounded.bounded_step(jnp.where(k.compressed, means[i], m), v, floor[i], k.step)
     if params is not None and plan.decays(i):
-      decay = hp.weight_decay * params[i].astype(F32)
-      d = d + jnp.where(v <= decay_still_to, 0.0, decay)
-    out.append(d if factor is None else factor * d)
+      decay = k.weight_decay * params[i].astype(F32)
+      d = d + jnp.where(v <= k.decay_still_to, k.step.zero, decay)
+    out.append(d if factor is None else k.factor * d)
   return out
+
+
+class _UpdateScalars(NamedTuple):
+  """The scalars of every kind's update (:func:`_updates`), broadcast per shape."""
+
+  step: _bounded.Scalars
+  compressed: jax.Array  # () bool: a compressed step (m is the new message)
+  decay_still_to: jax.Array  # () float32: where v <= it, no weight decay either
+  weight_decay: jax.Array  # () float32
+  factor: Any  # () float32: with local steps, what scales the update; else None
+
+
+class _Decays(NamedTuple):
+  """The scalars of a variance step's moments (:func:`_variance_moments`), broadcast per shape."""
+
+  finite: jax.Array  # () bool
+  scale: jax.Array  # () float32: what makes the gradients' sum their mean
+  b1: jax.Array
+  c1: jax.Array  # 1 - b1
+  b2: jax.Array  # this step's decay of v
+  c2: jax.Array  # 1 - it
 
 
 def _bounded_now(state, sched: Schedule) -> jax.Array:
@@ -401,14 +461,14 @@ def _local_step(hp: Hyper, plan: Plan, state, sched: Schedule, g32, old: _Old, b
 
   def local(local_mu, acc):
     denominators = _preconditioners(hp, plan, old.nu, state.nu_l1, bc2, sched.at)
+    own = _own(hp, state, sched, bc1)
     new_mu, new_acc = [], []
     for i, (g, lm, a) in enumerate(zip(g32, local_mu, acc)):
       # (in the buffers' own shape, (1, *shape): a fusion writing through a reshape is not in place)
-      own = _momentum(hp, lm, g[None])  # (never fresh: the first local-phase step is a sync)
+      m = _momentum(own, lm, g[None])  # (never fresh: the first local-phase step is a sync)
       param = None if old.params is None else old.params[i][None]
-      new_acc.append(_progress(hp, plan, i, own, old.nu[i][None], denominators[i][None], bc1, a,
-                               param, sched.lr))
-      new_mu.append(own)
+      new_acc.append(_progress(own, plan, i, m, old.nu[i][None], denominators[i][None], a, param))
+      new_mu.append(m)
     return new_mu, new_acc
 
   return jax.lax.cond((sched.kind == LOCAL) & jnp.logical_not(sched.sync), local,
