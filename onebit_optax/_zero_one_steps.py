@@ -131,6 +131,7 @@ class _Own(NamedTuple):
   weight_decay: jax.Array
   lr: jax.Array  # this step's learning rate (local steps; else 0)
   lr_sum: jax.Array  # the rates' sum since the sync, this step's included
+  fresh: jax.Array  # () bool: the first step after the freeze
   zero: jax.Array
 
 
@@ -139,7 +140,7 @@ def _own(hp: Hyper, state, sched: Schedule, bc1) -> _layout.PerShape:
   f32 = lambda x: jnp.asarray(x, F32)  # (1 - b1 as Python computes it for a float b1)
   lr_sum = state.lr_sum + sched.lr
   return _layout.PerShape(_Own(f32(hp.b1), f32(1.0 - hp.b1), f32(bc1), f32(hp.weight_decay),
-                               f32(sched.lr), f32(lr_sum), jnp.zeros((), F32)))
+                               f32(sched.lr), f32(lr_sum), sched.fresh, jnp.zeros((), F32)))
 
 
 def _momentum(own: _layout.PerShape, base, g):
@@ -245,11 +246,11 @@ def _outgoing_leaf(own: _layout.PerShape, plan: Plan, sched: Schedule, old: _Old
   r"""What a sync sends of leaf ``i`` before its error feedback: :math:`a_i(\sqrt{\hat v}+\epsilon)`.
 
   :math:`a_i` is this device's progress after this step (:func:`_progress`),
-  from its own momentum (the synced ``m`` at the first local-phase step:
-  :func:`_fresh_local_mu`).
+  from its own momentum (the synced ``m`` at the first local-phase step).
   """
+  base = jnp.where(own(jnp.shape(g)).fresh, old.mu[i], old.local_mu[i][0])
   param = None if old.params is None else old.params[i]
-  a = _progress(own, plan, i, _momentum(own, old.local_mu[i][0], g), old.nu[i], denominators[i],
+  a = _progress(own, plan, i, _momentum(own, base, g), old.nu[i], denominators[i],
                 old.accumulator[i][0], param)
   return a * denominators[i]
 
@@ -451,20 +452,6 @@ def _bounded_now(state, sched: Schedule) -> jax.Array:
   return jnp.where(sched.kind == VARIANCE, state.variance_updates < state.count, True)
 
 
-def _fresh_local_mu(hp: Hyper, plan: Plan, sched: Schedule, old: _Old):
-  """``local_mu`` set to the replicated ``m`` at the first step after the freeze (with local steps, a sync).
-
-  So a sync reads one momentum, its device's: choosing between ``m`` and
-  ``local_mu`` element by element read both on every sync. Other steps pass
-  ``local_mu`` through.
-  """
-  if hp.local_steps is None:
-    return old.local_mu
-  vary = lambda x: _collective.vary(x[None], plan.axes.device_axes)
-  return jax.lax.cond(sched.fresh, lambda lm: [vary(m) for m in old.mu], lambda lm: lm,
-                      old.local_mu)
-
-
 def _local_step(hp: Hyper, plan: Plan, state, sched: Schedule, g32, old: _Old, bc1, bc2):
   """A local step's ``local_mu`` and ``accumulator``: this device's own momentum and progress.
 
@@ -550,7 +537,6 @@ def step(hp: Hyper, plan: Plan, grads, state, sched: Schedule, params) -> Result
   old = _Old(jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), leaves_or_none(state.local_mu),
              leaves_or_none(state.accumulator), params)
   old = old._replace(mu=_materialized_mu(plan, state, sched, old.mu))
-  old = old._replace(local_mu=_fresh_local_mu(hp, plan, sched, old))
   local_mu, accumulator = _local_step(hp, plan, state, sched, g32, old, bc1, bc2)
   old = old._replace(local_mu=local_mu, accumulator=accumulator)  # (the same values: read after)
   local_sent, exact = _write_sent(hp, plan, g32, state, sched, old, bc1, bc2)

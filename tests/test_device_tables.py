@@ -32,7 +32,7 @@ def test_device_tables_on_a_cpu(tmp_path):
   assert set(compiled) == {"adam", "onebit", "zero_one"} and compiled["adam"][1] == "1.00"
   steps = _rows(text, "**Step, 10,000 parameters, the 6-leaf")
   assert list(steps) == ["adam", "1-bit warmup", "1-bit compression", "0/1 variance",
-                         "0/1 compressed", "0/1 local", "0/1 sync", "adam again"]
+                         "0/1 compressed", "0/1 local", "0/1 sync", "0/1 local sync", "adam again"]
   state = {name: float(cells[3]) for name, cells in steps.items()}
   # optax.adam holds mu and nu; both optimizers add one per-device buffer (one device: no
   # server error) and the message; 0/1 Adam's local steps add each device's momentum and progress
