@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["adam_update_bound", "bias_correction", "bounded_step", "floors", "scalars",
-           "still_threshold", "Scalars"]
+from onebit_optax import _layout
+
+__all__ = ["adam_moments", "adam_update_bound", "bias_correction", "bounded_step", "floors",
+           "scalars", "still_threshold", "Scalars"]
 
 F32 = jnp.float32
 
@@ -40,6 +42,40 @@ def adam_update_bound(b1, b2) -> jax.Array:
   """
   b1, b2 = jnp.asarray(b1, F32), jnp.asarray(b2, F32)
   return jnp.maximum(1.0, (1.0 - b1) / jnp.sqrt(1.0 - b2))
+
+
+class _Decays(NamedTuple):
+  """The scalars of Adam's moments (:func:`adam_moments`), broadcast per shape."""
+
+  finite: jax.Array  # () bool
+  scale: jax.Array  # () float32: what makes the gradients' sum their mean
+  b1: jax.Array
+  c1: jax.Array  # 1 - b1
+  b2: jax.Array
+  c2: jax.Array  # 1 - b2
+
+
+def adam_moments(mus: list, nus: list, total: list, scale, finite, b1, b2) -> tuple:
+  r"""Adam's moments of the mean gradient :math:`\bar g` = ``total * scale``, leaf by leaf; kept where not ``finite``.
+
+  :math:`m \leftarrow \beta_1 m + (1-\beta_1)\bar g`, :math:`v \leftarrow \beta_2 v +
+  (1-\beta_2)\bar g^2`, in float32, stored in each moment's dtype. ``b2`` is
+  the step's decay of :math:`v` (0/1 Adam's may be traced). :math:`1-\beta` is
+  computed as Python computes it for a float :math:`\beta`, as ``optax`` does;
+  the scalars are broadcast once per shape (:class:`_layout.PerShape`), so call
+  this in the branch that uses them. Returns ``(mus, nus)``.
+  """
+  f32 = lambda x: jnp.asarray(x, F32)
+  decays = _layout.PerShape(_Decays(finite, f32(scale), f32(b1), f32(1.0 - b1), f32(b2),
+                                    f32(1.0 - b2)))
+  new_mu, new_nu = [], []
+  for m, v, g in zip(mus, nus, total):
+    k = decays(jnp.shape(g))
+    mean = g * k.scale
+    new_mu.append(jnp.where(k.finite, k.b1 * m.astype(F32) + k.c1 * mean, m).astype(m.dtype))
+    new_nu.append(jnp.where(k.finite, k.b2 * v.astype(F32) + k.c2 * jnp.square(mean), v)
+                  .astype(v.dtype))
+  return new_mu, new_nu
 
 
 def bias_correction(decay, count) -> jax.Array:

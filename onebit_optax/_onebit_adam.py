@@ -209,7 +209,8 @@ def _warmup(hp: _Hyper, plan: _groups.Plan, grads: list, state, count) -> _Momen
   sums = _groups.sums(total)
   finite = (_collective._all_true(jnp.all(jnp.isfinite(sums)), plan.axes.model)
             if hp.skip_nonfinite else jnp.bool_(True))
-  mu, nu = _adam_moments(hp, total, scale, state, finite)
+  mu, nu = _bounded.adam_moments(jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), total,
+                                 scale, finite, hp.b1, hp.b2)
   # Only where the freeze rule reads it (a check, or where it may fire and the
   # floor needs it): elsewhere this pass over nu would be wasted.
   nu_l1 = jax.lax.cond(_freeze.reads_norm(hp.policy, count, hp.b2),
@@ -230,33 +231,6 @@ def _no_moments(state) -> _Moments:
   return _Moments(jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), state.nu_l1,
                   jnp.bool_(True), state.frozen, state.freeze_step, state.variance_ratio,
                   state.reference_l1, jnp.float32(0))
-
-
-class _Decays(NamedTuple):
-  """The scalars of Adam's moments (:func:`_adam_moments`), broadcast per shape."""
-
-  finite: jax.Array  # () bool
-  scale: jax.Array  # () float32: what makes the gradients' sum their mean
-  b1: jax.Array
-  c1: jax.Array  # 1 - b1
-  b2: jax.Array
-  c2: jax.Array  # 1 - b2
-
-
-def _adam_moments(hp: _Hyper, total: list, scale, state, finite):
-  """Adam's moments of the mean gradient ``total * scale``, leaf by leaf (kept on a skipped step)."""
-  mus, nus = jax.tree.leaves(state.mu), jax.tree.leaves(state.nu)
-  f32 = lambda x: jnp.asarray(x, F32)  # (1 - b as Python computes it for a float b, as optax does)
-  decays = _layout.PerShape(_Decays(finite, f32(scale), f32(hp.b1), f32(1.0 - hp.b1), f32(hp.b2),
-                                     f32(1.0 - hp.b2)))
-  new_mu, new_nu = [], []
-  for m, v, g in zip(mus, nus, total):
-    k = decays(jnp.shape(g))
-    mean = g * k.scale
-    new_mu.append(jnp.where(k.finite, k.b1 * m.astype(F32) + k.c1 * mean, m).astype(m.dtype))
-    new_nu.append(jnp.where(k.finite, k.b2 * v.astype(F32) + k.c2 * jnp.square(mean), v)
-                  .astype(v.dtype))
-  return new_mu, new_nu
 
 
 def _step_bytes(plan: _groups.Plan, *, compressed: bool) -> float:

@@ -113,7 +113,7 @@ class Stream(NamedTuple):
 
   blocks: jax.Array  # (blocks, 16) uint8: the packed signs, 128 elements a block.
   scales: jax.Array  # (blocks,) float32: each block's scale (its wire segment's).
-  unpack: Any = None  # _layout.PerShape of _Bits: what unpacks a leaf's bytes, per shape.
+  unpack: Any  # _layout.PerShape of _Bits: what unpacks a leaf's bytes, per shape.
 
 
 class _Bits(NamedTuple):

@@ -330,15 +330,7 @@ def _variance_moments(hp: Hyper, plan: Plan, state, sched: Schedule, g32, finite
              _collective.psum_leaves(g32, plan.axes.slow, plan.axes.n_slow))
     finite = finite & _finite_mean(hp, plan, total)
     decay = variance_decay(hp, state, sched.count)
-    f32 = lambda x: jnp.asarray(x, F32)  # (1 - b1 as Python computes it for a float b1)
-    decays = _layout.PerShape(_Decays(finite, f32(scale), f32(hp.b1), f32(1.0 - hp.b1), decay,
-                                      1.0 - decay))
-    mu, nu = list(mu), list(nu)
-    for i, t in enumerate(total):
-      k = decays(jnp.shape(t))
-      mean = t * k.scale
-      mu[i] = jnp.where(k.finite, k.b1 * mu[i] + k.c1 * mean, mu[i])
-      nu[i] = jnp.where(k.finite, k.b2 * nu[i] + k.c2 * jnp.square(mean), nu[i])
+    mu, nu = _bounded.adam_moments(mu, nu, total, scale, finite, hp.b1, decay)
     # (summed from the new buffers, not from a second pass over the old ones)
     return mu, nu, jnp.where(finite, _groups.sums(nu), state.nu_l1), finite
 
@@ -434,17 +426,6 @@ class _UpdateScalars(NamedTuple):
   decay_still_to: jax.Array  # () float32: where v <= it, no weight decay either
   weight_decay: jax.Array  # () float32
   factor: Any  # () float32: with local steps, what scales the update; else None
-
-
-class _Decays(NamedTuple):
-  """The scalars of a variance step's moments (:func:`_variance_moments`), broadcast per shape."""
-
-  finite: jax.Array  # () bool
-  scale: jax.Array  # () float32: what makes the gradients' sum their mean
-  b1: jax.Array
-  c1: jax.Array  # 1 - b1
-  b2: jax.Array  # this step's decay of v
-  c2: jax.Array  # 1 - it
 
 
 def _bounded_now(state, sched: Schedule) -> jax.Array:
