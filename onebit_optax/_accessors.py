@@ -112,7 +112,7 @@ def _in_message(state) -> jax.Array:
   if isinstance(state, ScaleByZeroOneAdamState):  # after a compressed step
     return jnp.asarray(_plain(state.mu_in_message))
   # 1-bit Adam: after the freeze step (at the freeze step itself the message holds no
-  # momentum yet: it is in the error feedback, see _freeze_message; mu keeps it).
+  # momentum yet: it is in the error feedback, see _onebit_adam._freeze_stage; mu keeps it).
   sent = jnp.asarray(_plain(state.count)) > jnp.asarray(_plain(state.freeze_step))
   return jnp.asarray(_plain(state.frozen)) & sent
 

@@ -147,7 +147,12 @@ def _compression(hp: _Hyper, plan: _groups.Plan, grads: list, local, state, at) 
 
 
 def _no_exchange(state) -> _Exchange:
-  return _Exchange(state.momentum_message, state.worker_scale, state.worker_error,
+  """A warmup step sends no 1-bit message: zeros, as the state's message is until the freeze.
+
+  (Zeros, not the state's message passed through: that pass-through of a buffer
+  which the other branch makes anew, the all-gather's, was a copy every step.)
+  """
+  return _Exchange(jnp.zeros_like(state.momentum_message), state.worker_scale, state.worker_error,
                    state.server_error, jnp.bool_(True), jnp.float32(0))
 
 
@@ -242,8 +247,8 @@ def _step_bytes(plan: _groups.Plan, *, compressed: bool) -> float:
   return _collective.allreduce_wire_bytes(size, axes.n_slow)
 
 
-def _freeze_message(hp: _Hyper, plan: _groups.Plan, mu: list, local, gathered, scale):
-  """Stage 3: at the freeze, the momentum moves into the error feedback; the message holds none of it.
+def _freeze_stage(hp: _Hyper, plan: _groups.Plan, mu: list, local, ex: _Exchange, freeze_now):
+  r"""Stage 3: at the freeze, the momentum moves into the error feedback; the message holds none of it.
 
   ``local_momentum`` becomes :math:`\beta_1 m` with scale 0, so its error
   feedback is all of it, and the message's compressed part is zero (zero
@@ -251,21 +256,33 @@ def _freeze_message(hp: _Hyper, plan: _groups.Plan, mu: list, local, gathered, s
   compression step forms :math:`0 + (1-\beta_1) g + \beta_1 m`, the momentum
   exactly, with no per-leaf compression of :math:`m` here (it cost a quarter
   of the step's compiled program). Every device computes it alike from the
-  replicated ``mu``: no communication. Hierarchical averaging keeps its worker
-  error in a flat buffer: there the message is :math:`C(m)` and the scales
-  :math:`\beta_1 s_m`.
+  replicated ``mu``: no communication. That message is selected where
+  ``freeze_now``, outside the conditional (zeros but the exact columns: one
+  elementwise pass with the message's other selects), so that no branch
+  passes the exchange's message through (a copy of it every step; 0.094 ->
+  0.063 D of one-device temporaries, ``tests/test_memory.py``). Hierarchical
+  averaging keeps its worker error in a flat buffer: there the message is
+  :math:`C(m)` and the scales :math:`\beta_1 s_m`, made at the freeze only.
+  Returns ``(message, worker_scale, local_momentum)``.
   """
-  layout = plan.layout
-  groups = _groups.stacks(layout, [mu[i] for i in layout.compressed])
-  exact = _groups.exact(layout, mu)
+  layout, vary = plan.layout, lambda x: _collective.vary(x, plan.axes.device_axes)
+  groups = lambda: _groups.stacks(layout, [mu[i] for i in layout.compressed])
   if local is None:
-    rows, scales = _groups.rows(layout, groups, exact)
-    return rows, _collective.vary((hp.b1 * scales)[None], plan.axes.device_axes), None
+    def compress():
+      rows, scales = _groups.rows(layout, groups(), _groups.exact(layout, mu))
+      return rows, vary((hp.b1 * scales)[None])
+    return (*jax.lax.cond(freeze_now, compress, lambda: (ex.gathered, ex.worker_scale)), None)
   zeros = jnp.zeros((len(layout.compressed),), F32)
-  rows = _wire.rows(layout, [jnp.zeros((layout.bits.used // 8,), jnp.uint8)], zeros, exact)
-  local = tuple(_collective.vary(hp.b1 * m[None], plan.axes.device_axes).astype(u.dtype)
-                for m, u in zip(groups, local))
-  return rows, _collective.vary(zeros[None], plan.axes.device_axes), local
+  scale, local = jax.lax.cond(
+      freeze_now,
+      lambda u: (vary(zeros[None]), tuple(vary(hp.b1 * m[None]).astype(x.dtype)
+                                           for m, x in zip(groups(), u))),
+      lambda u: (ex.worker_scale, u), local)
+  if not layout.exact_chunk:
+    return ex.gathered, scale, local
+  exact = _wire.exact_columns(layout, _groups.exact(layout, mu))
+  rows = jnp.pad(exact, ((0, 0), (layout.row_bytes - exact.shape[1], 0)))  # (zeros before them)
+  return jnp.where(freeze_now, rows, ex.gathered), scale, local
 
 
 def _step_scalars(hp: _Hyper, frozen, bc1, bc2, finite) -> _bounded.Scalars:
@@ -414,9 +431,7 @@ def _update(updates, state, hp: _Hyper, axis_name, model_axis):
   local, ex, mo = _switch(hp, plan, grads, state, count_inc, at)
   finite = ex.finite & mo.finite
   freeze_now = mo.frozen & jnp.logical_not(state.frozen)
-  message, scale, local = jax.lax.cond(
-      freeze_now, lambda u: _freeze_message(hp, plan, mo.mu, u, ex.gathered, ex.worker_scale),
-      lambda u: (ex.gathered, ex.worker_scale, u), local)
+  message, scale, local = _freeze_stage(hp, plan, mo.mu, local, ex, freeze_now)
   updates = _updates(hp, plan, grads, state, ex, mo, count_inc, at)
   pick = lambda new, old: jnp.where(finite, new, old)
   unflatten = lambda leaves: jax.tree.unflatten(plan.treedef, leaves)

@@ -102,10 +102,19 @@ def rows(layout: _layout.WireLayout, signs: list, leaf_scales: jax.Array,
   table = jnp.asarray(layout.segment_leaf.reshape(n, layout.segments))
   parts = [stream.reshape(n, layout.chunk_bytes), scales_to_bytes(scales[table])]
   if layout.exact_chunk:
-    pad = n * layout.exact_chunk - layout.exact_size
-    floats = jnp.concatenate([exact, jnp.zeros((pad,), jnp.float32)]) if pad else exact
-    parts.append(scales_to_bytes(floats.reshape(n, layout.exact_chunk)))
+    parts.append(exact_columns(layout, exact))
   return jnp.concatenate(parts, axis=1)
+
+
+def exact_columns(layout: _layout.WireLayout, exact: jax.Array) -> jax.Array:
+  """The rows' last columns: the exact leaves' float32 bytes, ``(num_devices, 4 exact_chunk)`` uint8.
+
+  ``exact``: (exact_size,) float32, the exact leaves concatenated (see :func:`rows`).
+  """
+  n = layout.num_devices
+  pad = n * layout.exact_chunk - layout.exact_size
+  floats = jnp.concatenate([exact, jnp.zeros((pad,), jnp.float32)]) if pad else exact
+  return scales_to_bytes(floats.reshape(n, layout.exact_chunk))
 
 
 class Stream(NamedTuple):
