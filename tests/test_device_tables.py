@@ -1,6 +1,6 @@
 """benchmarks/device_tables.py, the prepared run for a lent GPU, runs on a CPU at tiny sizes: its
 tables have every contestant, and the memory columns read what the states hold. Also the ZeRO-1
-warmup lab."""
+warmup lab. Marked slow: CI's full run (`-m ''`) runs them."""
 
 import os
 import re
@@ -8,9 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import _xla
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Benchmark scripts, not the package: about 40 s of compiling in subprocesses, so only in the
+# full run (`python3 dev.py test -m ''`, as CI's first run).
+pytestmark = pytest.mark.slow
 
 
 def _rows(text: str, title: str) -> dict:
