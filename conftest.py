@@ -22,7 +22,9 @@ run shares jax's persistent compilation cache (keyed on the program and the comp
 options, debug locations stripped) in a fresh temporary directory of its own, made
 here by the first process (pytest, or xdist's controller) and inherited by the
 workers and the subprocesses the tests start; it is removed when that process
-exits. A later run starts cold again: the suite's time is a cold run's. Set
+exits. (Multi-process runs on jax 0.12.1 do not use it: a program read back from
+it hangs in a collective between processes; ``onebit_optax.launch.initialize``
+turns it off there.) A later run starts cold again: the suite's time is a cold run's. Set
 ``JAX_COMPILATION_CACHE_DIR`` yourself to use another (e.g. to keep one).
 """
 

@@ -60,6 +60,13 @@ mesh that spans processes checks that all processes pass the same value by
 comparing the host array with the gathered device copies, so a float64 numpy
 array (stored as float32 on the devices) fails that check with "not the same
 on each process": cast host arrays to float32 first.
+
+Known limit on CPU (jax 0.12.1; 0.10.2 and 0.11.0 to 0.12.0.1 are fine): a
+program that a process reads back from jax's persistent compilation cache
+(``JAX_COMPILATION_CACHE_DIR``) never completes its first ``shard_map``
+collective across processes, so the second run of a script waits until its
+timeout, without a message. :func:`initialize` turns the cache off for a
+multi-process CPU run on jax 0.12.1 and later, with a warning.
 """
 
 from __future__ import annotations
@@ -67,12 +74,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import IO, Optional, Sequence
 
 import jax
@@ -86,6 +95,8 @@ PROCESS_ID = "ONEBIT_PROCESS_ID"
 # Seconds a process gets to exit after Ctrl-C or a timeout before it is killed.
 _GRACE_SECONDS = 3.0
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# The first jax version seen to hang on a persistent-cache hit between CPU processes.
+_CACHE_HANG_SINCE = (0, 12, 1)
 _SINGLE_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
 
 
@@ -137,8 +148,34 @@ def initialize(*, fail_fast: bool = True, **kwargs) -> None:
     jax.distributed.initialize(
         coordinator_address=address, num_processes=num_processes, process_id=process_id,
         **kwargs)
+  _turn_off_a_hanging_cache()
   if fail_fast:
     _exit_on_uncaught_exception()
+
+
+def _jax_version() -> tuple[int, ...]:
+  return tuple(int(re.match(r"\d*", part).group() or 0) for part in jax.__version__.split(".")[:3])
+
+
+def _turn_off_a_hanging_cache() -> None:
+  """Turns jax's persistent compilation cache off where it hangs a multi-process CPU run.
+
+  See the module's docstring: jax 0.12.1 (later versions untested, so included)
+  hangs on a program read back from the cache. Checked only when a cache
+  directory is set.
+  """
+  if (not jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache
+      or _jax_version() < _CACHE_HANG_SINCE):
+    return  # (the checks below start the backend)
+  if jax.process_count() == 1 or jax.default_backend() != "cpu":
+    return
+  jax.config.update("jax_enable_compilation_cache", False)
+  warnings.warn(
+      f"onebit_optax.launch.initialize turned jax's persistent compilation cache off "
+      f"(jax_compilation_cache_dir={jax.config.jax_compilation_cache_dir!r}): with jax "
+      f"{jax.__version__} a program read back from it hangs in its first collective "
+      "between CPU processes. Unset JAX_COMPILATION_CACHE_DIR for multi-process CPU runs "
+      "to silence this.", RuntimeWarning, stacklevel=3)
 
 
 def _exit_on_uncaught_exception() -> None:

@@ -232,3 +232,42 @@ def test_environment_prefixes_and_exit_code(tmp_path):
     assert f"[rank {rank}] to stderr" in proc.stderr
   assert len(addresses) == 1
   assert "[launch] rank 2 exited with code 3" in proc.stderr
+
+
+def test_a_rerun_with_a_persistent_compilation_cache_completes(tmp_path):
+  """A second run reading the programs of the first from jax's persistent cache finishes.
+
+  With jax 0.12.1 a program read back from the cache hangs in its first collective
+  between CPU processes (a ``shard_map`` ``psum``; ``jnp.sum`` of the sharded array
+  did not); :func:`onebit_optax.launch.initialize` turns the cache off
+  there (with a warning) and leaves it on where it works.
+  """
+  script = tmp_path / "psum.py"
+  script.write_text(textwrap.dedent("""
+      import jax, jax.numpy as jnp
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      from onebit_optax import launch
+      launch.initialize(initialization_timeout=60)
+      mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      x = jax.make_array_from_process_local_data(
+          NamedSharding(mesh, P("data")), jnp.full((1,), jax.process_index() + 1.0))
+      psum = jax.shard_map(lambda a: jax.lax.psum(a, "data"), mesh=mesh,
+                           in_specs=P("data"), out_specs=P())  # as the optimizers' collectives
+      total = jax.jit(psum)(x)
+      print("total", float(total.addressable_data(0)[0]),
+            "cache", jax.config.jax_enable_compilation_cache, flush=True)
+  """))
+  from onebit_optax import launch  # pylint: disable=g-import-not-at-top
+  hangs = launch._jax_version() >= launch._CACHE_HANG_SINCE  # pylint: disable=protected-access
+  cache = tmp_path / "cache"
+  for _ in range(2):
+    proc = _run(LAUNCH + ["--nproc", "2", "--devices-per-process", "1", "--timeout", "90",
+                          str(script)],
+                JAX_COMPILATION_CACHE_DIR=str(cache),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+      assert f"[rank {rank}] total 3.0 cache {not hangs}" in proc.stdout, proc.stdout
+    assert ("turned jax's persistent compilation cache off" in proc.stderr) == hangs, proc.stderr
+  assert hangs or os.listdir(cache)  # where it works, the second run read the first's programs
