@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -153,10 +152,6 @@ def initialize(*, fail_fast: bool = True, **kwargs) -> None:
     _exit_on_uncaught_exception()
 
 
-def _jax_version() -> tuple[int, ...]:
-  return tuple(int(re.match(r"\d*", part).group() or 0) for part in jax.__version__.split(".")[:3])
-
-
 def _turn_off_a_hanging_cache() -> None:
   """Turns jax's persistent compilation cache off where it hangs a multi-process CPU run.
 
@@ -165,7 +160,7 @@ def _turn_off_a_hanging_cache() -> None:
   directory is set.
   """
   if (not jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache
-      or _jax_version() < _CACHE_HANG_SINCE):
+      or jax.__version_info__ < _CACHE_HANG_SINCE):
     return  # (the checks below start the backend)
   if jax.process_count() == 1 or jax.default_backend() != "cpu":
     return
